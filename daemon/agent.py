@@ -1,0 +1,481 @@
+"""The daemon's loop: probes → typed records → per-process windows → detectors → one snapshot per tick.
+
+Single-threaded on purpose: the loop owns every mutable structure; the HTTP
+server and other readers only see the immutable ``Snapshot`` it publishes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
+from kvwatch.daemon.config import Config
+from kvwatch.daemon.detectors.base import Finding, Subject
+from kvwatch.daemon.detectors.host_tier import HostTierEviction
+from kvwatch.daemon.detectors.oom import OOMKilled
+from kvwatch.daemon.detectors.probe_down import ProbeDown
+from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
+from kvwatch.daemon.discovery import Discovery
+from kvwatch.daemon.kvtiers import KVTierRegistry
+from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.nvml import Nvml
+from kvwatch.daemon.procfs import ProcError, ProcFS
+from kvwatch.daemon.psi import PressureReader
+from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.snapshot import ProbeView, ProcessView, Snapshot, TierView
+from kvwatch.daemon.tracker import ProcessTracker, Tracked
+from kvwatch.probes.errors import ProbeError
+from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes
+from kvwatch.probes.records import (
+    HookState,
+    HookStatus,
+    MemorySample,
+    OomKill,
+    ProcessExec,
+    ProcessExited,
+    ProcessForked,
+    ProcessRenamed,
+)
+
+log = structlog.get_logger("kvwatch.agent")
+
+PAGE_SIZE = 4096
+RATE_WINDOW = 5.0
+PROCESS_TOTALS = (
+    "page_free_pages",
+    "direct_reclaim_seconds",
+    "direct_reclaim_count",
+    "memcg_reclaim_seconds",
+    "memcg_reclaim_count",
+)
+TIER_TOTALS = ("reclaim_bytes", "policy_bytes", "reclaim_pages", "policy_pages", "refault_pages", "added_pages")
+OOM_LABELS = ("engine", "role", "container", "pod")
+
+
+def process_labels(t: Tracked) -> dict[str, str]:
+    lab = t.proc.labels
+    return {
+        "pid": str(t.pid),
+        "engine": lab.engine,
+        "role": lab.role,
+        "component": lab.component,
+        "container": lab.container,
+        "pod": lab.pod,
+    }
+
+
+def memory_options(config: Config) -> MemoryProbeOptions:
+    return MemoryProbeOptions(
+        features=frozenset(config.probes.memory),
+        max_watched=max(4096, config.discovery.max_processes * 4),
+        max_kv_inodes=config.kv_tiers.max_files,
+        max_evicted=config.probes.max_evicted_pages_tracked,
+        ringbuf_pages=config.probes.ringbuf_pages,
+    )
+
+
+@dataclass(slots=True)
+class _Published:
+    snapshot: Snapshot
+
+
+class Agent:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        memory: MemoryProbes | None,
+        procfs: ProcFS | None = None,
+        nvml: Nvml | None = None,
+        sinks: Sequence[AlertSink] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.memory = memory
+        self.procfs = procfs or ProcFS(config.discovery.proc_root)
+        self.nvml = nvml
+        self.clock = clock
+        self.wall = wall
+        self.errors = ErrorBook()
+        nvml_pids = nvml.pids if nvml is not None else None
+        self.discovery = Discovery(config.discovery, self.procfs, nvml_pids)
+        self.tracker = ProcessTracker(
+            self.discovery,
+            self.procfs,
+            memory if memory is not None else None,
+            clock=clock,
+            max_processes=config.discovery.max_processes,
+            follow_children=config.discovery.follow_children,
+            hints_per_tick=config.discovery.exec_hints_per_tick,
+        )
+        self.tiers: KVTierRegistry | None = None
+        self.pressure = PressureReader(config.discovery.proc_root)
+        self.host_tier = HostTierEviction(config.detectors.host_tier_eviction)
+        self.oom = OOMKilled(config.detectors.oom)
+        self.probe_down = ProbeDown()
+        default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
+        self.alerts = AlertBook(default_sinks + list(sinks or []))
+        self.statuses: list[HookStatus] = []
+        self.tier_series: dict[int, SeriesSet] = {}
+        self.tier_first_seen: dict[int, float] = {}
+        self.oom_kills: dict[tuple[str, str, str, str], int] = {}
+        self._pending_oom: list[OomEvent] = []
+        self._sample: MemorySample | None = None
+        self._next_scan = 0.0
+        self._tick = 0
+        self._published = _Published(Snapshot.empty())
+        self._lost_userspace = {"malformed_events": 0}
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self.memory is not None:
+            try:
+                self.statuses = self.memory.start()
+            except ProbeError as err:
+                self.errors.record("probe_load", "kernel-memory probes did not load", err)
+                self.statuses = [
+                    HookStatus(h.name, "memory", h.tracepoint, HookState.FAILED, str(err), h.required)
+                    for h in HOOKS
+                ]
+                self.memory = None
+                self.tracker.kernel = None
+            else:
+                self.tiers = KVTierRegistry(
+                    self.config.kv_tiers,
+                    self.memory,
+                    proc_root=self.config.discovery.proc_root,
+                    max_tiers=self.memory.options.max_tiers,
+                    clock=self.clock,
+                )
+            for st in self.statuses:
+                if st.state is not HookState.ATTACHED:
+                    log.warning("probe not attached", probe=st.name, state=st.state.value, reason=st.reason)
+        self.tick()
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._published.snapshot
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick until ``stop`` is set; between ticks, drain ring buffers as events arrive."""
+        period = self.config.daemon.tick_seconds
+        next_tick = self.clock() + period
+        while not stop.is_set():
+            remaining = next_tick - self.clock()
+            if remaining > 0:
+                if self.memory is not None:
+                    try:
+                        self.memory.poll(int(min(remaining, 0.1) * 1000))
+                    except Exception as err:
+                        self.errors.record("ring_poll", "ring buffer poll failed", err)
+                        stop.wait(min(remaining, 0.1))
+                else:
+                    stop.wait(min(remaining, 0.1))
+                if self._has_urgent_events():
+                    self.tick()
+                continue
+            next_tick += period
+            if next_tick < self.clock():
+                next_tick = self.clock() + period  # we fell behind: do not try to catch up
+            self.tick()
+
+    def _has_urgent_events(self) -> bool:
+        """OOM kills are acted on at once, not at the next tick."""
+        if self.memory is None:
+            return False
+        return any(isinstance(e, OomKill) for e in self.memory.pending())
+
+    def close(self) -> None:
+        self.alerts.close()
+        if self.tiers is not None:
+            self.tiers.close()
+        self.tracker.close()
+        if self.memory is not None:
+            self.memory.close()
+        if self.nvml is not None:
+            self.nvml.close()
+
+    # --- one tick ------------------------------------------------------------------------
+    def tick(self) -> Snapshot:
+        t0 = time.perf_counter()
+        now = self.clock()
+        self._tick += 1
+        for name, step in (
+            ("events", self._drain_events),
+            ("hints", self.tracker.process_hints),
+            ("discovery", lambda: self._discover(now)),
+            ("kv_tiers", self._refresh_tiers),
+            ("sample", lambda: self._ingest(now)),
+        ):
+            try:
+                step()
+            except Exception as err:  # one failing step must not stop the loop
+                self.errors.record(f"tick_{name}", f"tick step {name} failed", err)
+        findings: list[Finding] = []
+        try:
+            findings = self._detect(now)
+        except Exception as err:
+            self.errors.record("detectors", "detector evaluation failed", err)
+        self.alerts.apply(findings, self.wall())
+        self.tracker.expire()
+        for gone in self.tracker.take_removed():
+            self.host_tier.forget(gone.key)
+            self.alerts.drop_subject(gone.key, self.wall())
+        snap = self._build_snapshot(now, time.perf_counter() - t0)
+        self._published = _Published(snap)
+        return snap
+
+    def _drain_events(self) -> None:
+        if self.memory is None:
+            return
+        batch = self.memory.take_events()
+        self._lost_userspace["malformed_events"] += batch.malformed
+        for ev in batch.events:
+            if isinstance(ev, ProcessForked):
+                self.tracker.on_fork(ev.parent_tgid, ev.child_pid)
+            elif isinstance(ev, ProcessExited):
+                self.tracker.on_exit(ev.tgid)
+            elif isinstance(ev, ProcessExec):
+                self.tracker.hint(ev.pid)
+            elif isinstance(ev, ProcessRenamed):
+                self.tracker.hint(ev.tgid)
+            elif isinstance(ev, OomKill):
+                self._on_oom(ev)
+
+    def _on_oom(self, ev: OomKill) -> None:
+        now = self.clock()
+        victim = self.tracker.get(ev.victim_pid)
+        sibling_of = ""
+        if victim is None and self.config.detectors.oom.include_cgroup_siblings:
+            victim, sibling_of = self._cgroup_sibling(ev.victim_pid)
+        if victim is None:
+            if ev.watched:
+                self.errors.record("oom_untracked", "OOM victim was watched in the kernel but not tracked")
+            return
+        labels = process_labels(victim)
+        if sibling_of:
+            labels["pid"] = str(ev.victim_pid)
+        key = victim.key if not sibling_of else f"oom:{ev.victim_pid}@{ev.ts_ns}"
+        self._pending_oom.append(
+            OomEvent(
+                subject=Subject(key, labels),
+                victim_pid=ev.victim_pid,
+                victim_comm=ev.victim_comm,
+                sibling_of=sibling_of,
+                anon_rss_bytes=ev.anon_rss_pages * PAGE_SIZE,
+                file_rss_bytes=ev.file_rss_pages * PAGE_SIZE,
+                at=now,
+            )
+        )
+        k = tuple(labels[n] for n in OOM_LABELS)
+        self.oom_kills[k] = self.oom_kills.get(k, 0) + 1  # type: ignore[index]
+        if victim is not None and not sibling_of:
+            self.tracker.on_exit(victim.pid)
+
+    def _cgroup_sibling(self, pid: int) -> tuple[Tracked | None, str]:
+        from kvwatch.daemon.cgroups import parse_cgroup  # noqa: PLC0415 - rare path
+
+        try:
+            path = parse_cgroup(self.procfs.cgroup(pid)).memory_path
+        except ProcError:
+            return None, ""
+        if not path or path == "/":
+            return None, ""
+        for t in self.tracker.tracked():
+            if t.proc.cgroup.memory_path == path:
+                return t, t.key
+        return None, ""
+
+    def _discover(self, now: float) -> None:
+        if now < self._next_scan:
+            return
+        self._next_scan = now + self.config.discovery.interval_seconds
+        self.tracker.rescan()
+        self.errors.add("discovery_vanished", self.discovery.stats.vanished)
+        self.errors.add("discovery_denied", self.discovery.stats.denied)
+        self.errors.add("discovery_errors", self.discovery.stats.errors)
+        if self.tiers is not None:
+            self.tiers.sync(t.proc for t in self.tracker.tracked() if t.exited_at is None)
+
+    def _refresh_tiers(self) -> None:
+        if self.tiers is not None:
+            self.tiers.refresh()
+
+    def _ingest(self, now: float) -> None:
+        if self.memory is None:
+            return
+        sample = self.memory.sample()
+        self._sample = sample
+        for t in self.tracker.tracked():
+            c = sample.processes.get(t.pid)
+            if c is None:
+                totals = dict.fromkeys(PROCESS_TOTALS, 0.0)
+            else:
+                totals = {
+                    "page_free_pages": float(c.page_free_pages),
+                    "direct_reclaim_seconds": c.direct_reclaim_ns / 1e9,
+                    "direct_reclaim_count": float(c.direct_reclaim_count),
+                    "memcg_reclaim_seconds": c.memcg_reclaim_ns / 1e9,
+                    "memcg_reclaim_count": float(c.memcg_reclaim_count),
+                }
+            t.totals = totals
+            t.series.add(now, totals)
+        if self.tiers is None:
+            return
+        for tier_id in self.tiers.tier_by_id():
+            c2 = sample.tiers.get(tier_id)
+            pages = {
+                "reclaim_pages": float(c2.reclaim_pages) if c2 else 0.0,
+                "policy_pages": float(c2.policy_pages) if c2 else 0.0,
+                "refault_pages": float(c2.refault_pages) if c2 else 0.0,
+                "added_pages": float(c2.added_pages) if c2 else 0.0,
+            }
+            pages["reclaim_bytes"] = pages["reclaim_pages"] * PAGE_SIZE
+            pages["policy_bytes"] = pages["policy_pages"] * PAGE_SIZE
+            series = self.tier_series.setdefault(tier_id, SeriesSet(120.0))
+            self.tier_first_seen.setdefault(tier_id, now)
+            series.add(now, pages)
+
+    # --- detection ------------------------------------------------------------------------------
+    def _process_window(self, t: Tracked, now: float) -> ProcessWindow:
+        return ProcessWindow(
+            subject=Subject(t.key, process_labels(t)),
+            age=now - t.first_seen,
+            series=t.series,
+            alive=t.exited_at is None,
+            memory_cgroup=t.proc.cgroup.memory_path,
+            psi_some_avg10=self.pressure.cgroup(t.proc.cgroup.unified_path),
+            environ=t.proc.environ,
+        )
+
+    def _detect(self, now: float) -> list[Finding]:
+        procs = {t.key: self._process_window(t, now) for t in self.tracker.tracked()}
+        by_identity = {t.proc.identity: procs[t.key] for t in self.tracker.tracked()}
+        tiers: dict[str, TierWindow] = {}
+        if self.tiers is not None:
+            for tier in self.tiers.tiers.values():
+                series = self.tier_series.get(tier.tier_id)
+                if series is None:
+                    continue
+                owners = tuple(by_identity[o] for o in tier.owners if o in by_identity)
+                labels = {"tier": tier.name}
+                if owners:
+                    labels.update(owners[0].subject.labels)
+                tiers[f"tier:{tier.tier_id}"] = TierWindow(
+                    subject=Subject(f"tier:{tier.tier_id}", labels),
+                    age=now - self.tier_first_seen.get(tier.tier_id, now),
+                    series=series,
+                    owners=owners,
+                )
+        view = NodeView(
+            now=now,
+            processes=procs,
+            tiers=tiers,
+            psi_memory_some_avg10=self.pressure.node(),
+            oom_events=self._pending_oom,
+        )
+        self._pending_oom = []
+        hits = self._sample.hits if self._sample else {}
+        return (
+            self.host_tier.evaluate(view)
+            + self.oom.evaluate(view)
+            + self.probe_down.evaluate(self.statuses, hits, now)
+        )
+
+    # --- publishing -----------------------------------------------------------------------------
+    def not_ready_reasons(self) -> tuple[str, ...]:
+        if self.memory is None and any(f for f in self.config.probes.memory):
+            return ("kernel-memory probes not loaded",)
+        return tuple(
+            f"{s.family}/{s.name}: {s.state.value} ({s.reason})"
+            for s in self.statuses
+            if s.required and s.state not in (HookState.ATTACHED, HookState.DISABLED)
+        )
+
+    def _build_snapshot(self, now: float, loop_seconds: float) -> Snapshot:
+        sample = self._sample
+        hits = sample.hits if sample else {}
+        lost = dict(sample.lost) if sample else {}
+        lost.update(self._lost_userspace)
+        lost["exec_hints_dropped"] = self.tracker.stats.hints_dropped
+        gpu = self.nvml.used_by_pid() if self.nvml is not None else {}
+        procs = tuple(
+            ProcessView(
+                key=t.key,
+                pid=t.pid,
+                labels=process_labels(t),
+                source=t.proc.source,
+                alive=t.exited_at is None,
+                totals=dict(t.totals),
+                rates=t.series.rates(("page_free_pages", "direct_reclaim_seconds", "memcg_reclaim_seconds"), RATE_WINDOW),
+                gpu_used_bytes=gpu.get(t.pid),
+            )
+            for t in self.tracker.tracked()
+        )
+        tiers: list[TierView] = []
+        if self.tiers is not None:
+            for tier in self.tiers.tiers.values():
+                series = self.tier_series.get(tier.tier_id, SeriesSet())
+                tiers.append(
+                    TierView(
+                        key=f"tier:{tier.tier_id}",
+                        tier_id=tier.tier_id,
+                        name=tier.name,
+                        path=str(tier.path),
+                        source=tier.source,
+                        owners=tuple(sorted(o.pid for o in tier.owners)),
+                        files=len(tier.files),
+                        totals={n: series.last(n) for n in TIER_TOTALS},
+                        rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
+                    )
+                )
+            if self.tiers.stats.map_full:
+                lost["kv_inodes_full"] = self.tiers.stats.map_full
+        errors = dict(self.errors.counts)
+        errors["alert_sink"] = self.alerts.sink_errors
+        watched: dict[str, int] = {}
+        for t in self.tracker.tracked():
+            if t.exited_at is None:
+                watched[t.proc.labels.engine] = watched.get(t.proc.labels.engine, 0) + 1
+        reasons = self.not_ready_reasons()
+        return Snapshot(
+            wall_time=self.wall(),
+            monotonic=now,
+            tick=self._tick,
+            ready=not reasons,
+            not_ready_reasons=reasons,
+            processes=procs,
+            tiers=tuple(tiers),
+            alerts=tuple(self.alerts.active.values()),
+            alerts_fired=dict(self.alerts.fired),
+            oom_kills=dict(self.oom_kills),
+            probes=tuple(
+                ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
+                for s in self.statuses
+            ),
+            lost=lost,
+            errors=errors,
+            watched_by_engine=watched,
+            label_overflow=self.tracker.stats.label_overflow,
+            loop_seconds=loop_seconds,
+            psi_memory_some_avg10=self.pressure.node(),
+            recent_alerts=tuple(self.alerts.history[-50:]),
+        )
+
+
+def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True) -> Agent:
+    """The production wiring: real probes, real /proc, NVML when present."""
+    memory = MemoryProbes(memory_options(config)) if use_bpf and config.probes.memory else None
+    nvml = None
+    if config.discovery.nvml != "off":
+        nvml, reason = Nvml.open()
+        if nvml is None:
+            level = log.warning if config.discovery.nvml == "on" else log.info
+            level("NVML not used", reason=reason)
+    return Agent(config, memory=memory, nvml=nvml, sinks=list(sinks))

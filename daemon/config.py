@@ -1,0 +1,331 @@
+"""Configuration: a TOML file, ``KVWATCH_*`` environment, then flags, validated at once.
+
+Precedence (last wins): built-in defaults < TOML file < environment < flags.
+Every key can be set from each source:
+
+* TOML: ``[discovery] interval_seconds = 5``
+* environment: ``KVWATCH_DISCOVERY__INTERVAL_SECONDS=5`` (``__`` between levels)
+* flags: the named ones (``--listen``, ``--pid``, ``--kv-dir``, ``--log-format``) or
+  ``--set discovery.interval_seconds=5`` for any key.
+
+Values from the environment and ``--set`` are parsed as TOML values when they
+parse (``5``, ``true``, ``["a", "b"]``), as plain strings otherwise.
+
+Unknown keys and bad values are all reported together, each naming the key and
+where it came from.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+DEFAULT_CONFIG_PATH = Path("/etc/kvwatch/kvwatch.toml")
+ENV_PREFIX = "KVWATCH_"
+DEFAULT_LISTEN = "127.0.0.1:9740"
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DaemonConfig(_Section):
+    listen: str = DEFAULT_LISTEN
+    tick_seconds: Annotated[float, Field(ge=0.05, le=60)] = 1.0
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        parse_listen(v)
+        return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> DaemonConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        return self
+
+
+class EngineRule(_Section):
+    """A discovery rule: a process matching any of the regexes is an inference process."""
+
+    engine: Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_.-]+$")]
+    comm: str | None = None
+    cmdline: str | None = None
+    role: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_pattern(self) -> EngineRule:
+        import re  # noqa: PLC0415 - only to validate
+
+        if self.comm is None and self.cmdline is None:
+            raise ValueError("a rule needs comm or cmdline")
+        for name in ("comm", "cmdline"):
+            pattern = getattr(self, name)
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except re.error as err:
+                    raise ValueError(f"{name}: invalid regex {pattern!r}: {err}") from err
+        return self
+
+
+class DiscoveryConfig(_Section):
+    interval_seconds: PositiveFloat = 5.0
+    pids: list[Annotated[int, Field(gt=0)]] = []
+    default_rules: bool = True
+    rules: list[EngineRule] = []
+    nvml: Literal["auto", "on", "off"] = "auto"
+    follow_children: bool = True
+    max_processes: Annotated[int, Field(ge=1, le=4096)] = 256
+    exec_hints_per_tick: Annotated[int, Field(ge=0)] = 200
+    proc_root: Path = Path("/proc")
+
+
+class KVTierDir(_Section):
+    path: Path
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    owner_pid: Annotated[int, Field(gt=0)] | None = None
+
+
+class KVTiersConfig(_Section):
+    dirs: list[KVTierDir] = []
+    from_environment: bool = True
+    rescan_seconds: PositiveFloat = 10.0
+    max_files: Annotated[int, Field(ge=1)] = 65536
+
+
+class ProbesConfig(_Section):
+    memory: list[Literal["page_free", "pagecache", "reclaim", "oom", "lifecycle"]] = [
+        "page_free",
+        "pagecache",
+        "reclaim",
+        "oom",
+        "lifecycle",
+    ]
+    ringbuf_pages: Annotated[int, Field(ge=1)] = 64
+    max_evicted_pages_tracked: Annotated[int, Field(ge=1024)] = 131072
+
+    @field_validator("ringbuf_pages")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("must be a power of two")
+        return v
+
+
+class DetectorCommon(_Section):
+    enabled: bool = True
+    warmup_seconds: NonNegFloat = 120.0
+    baseline_half_life_seconds: PositiveFloat = 1800.0
+    confirm_windows: Annotated[int, Field(ge=1)] = 2
+    clear_windows: Annotated[int, Field(ge=1)] = 5
+
+
+class HostTierEvictionConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 5.0
+    factor: Annotated[float, Field(ge=1)] = 5.0
+    floor_bytes_per_second: NonNegFloat = 64 * 1024 * 1024
+    refault_ratio: Annotated[float, Field(ge=0, le=1)] = 0.25
+    reclaim_stall_ms_per_second: NonNegFloat = 50.0
+    psi_some_avg10: NonNegFloat = 10.0
+
+
+class OOMConfig(_Section):
+    enabled: bool = True
+    include_cgroup_siblings: bool = True
+    active_seconds: PositiveFloat = 300.0
+
+
+class DetectorsConfig(_Section):
+    host_tier_eviction: HostTierEvictionConfig = HostTierEvictionConfig()
+    oom: OOMConfig = OOMConfig()
+
+
+class AlertsConfig(_Section):
+    log: bool = True
+
+
+class Config(_Section):
+    daemon: DaemonConfig = DaemonConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    kv_tiers: KVTiersConfig = KVTiersConfig()
+    probes: ProbesConfig = ProbesConfig()
+    detectors: DetectorsConfig = DetectorsConfig()
+    alerts: AlertsConfig = AlertsConfig()
+
+
+# --- loading ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    key: str
+    message: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message} (from {self.source})"
+
+
+class ConfigError(Exception):
+    """Every problem found in the configuration, reported at once."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host = host.strip("[]")
+    if host not in ("", "localhost"):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError as err:
+            raise ValueError(f"host {host!r} is not an IP address") from err
+    return host or "0.0.0.0", int(port_s)  # noqa: S104 - an explicit empty host asks for all
+
+
+def _scalar(text: str) -> Any:
+    """A value from the environment or --set: a TOML value if it parses, else the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any, sources: dict[str, str], src: str) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    node = tree
+    for p in parts[:-1]:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = {}
+            node[p] = child
+        node = child
+    node[parts[-1]] = value
+    sources[".".join(parts)] = src
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _record_sources(tree: Mapping[str, Any], prefix: str, src: str, sources: dict[str, str]) -> None:
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        sources[key] = src
+        if isinstance(v, Mapping):
+            _record_sources(v, key + ".", src, sources)
+
+
+def env_overrides(environ: Mapping[str, str], sources: dict[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "KVWATCH_CONFIG":
+            continue
+        dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_path(tree, dotted, _scalar(raw), sources, f"environment {name}")
+    return tree
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    sets: list[str] | None = None,
+) -> Config:
+    """Build the configuration. ``path=None`` reads the default file if it exists.
+
+    ``overrides`` maps dotted keys to values from named flags; ``sets`` are
+    ``--set key=value`` strings.
+    """
+    environ = os.environ if environ is None else environ
+    sources: dict[str, str] = {}
+    problems: list[ConfigProblem] = []
+    tree: dict[str, Any] = {}
+
+    explicit = path is not None or "KVWATCH_CONFIG" in environ
+    file = path or Path(environ.get("KVWATCH_CONFIG", str(DEFAULT_CONFIG_PATH)))
+    if file.exists() or explicit:
+        try:
+            tree = tomllib.loads(file.read_text())
+            _record_sources(tree, "", f"file {file}", sources)
+        except FileNotFoundError:
+            problems.append(ConfigProblem("(file)", "no such file", str(file)))
+        except (OSError, UnicodeDecodeError) as err:
+            problems.append(ConfigProblem("(file)", f"cannot read: {err}", str(file)))
+        except tomllib.TOMLDecodeError as err:
+            problems.append(ConfigProblem("(file)", f"not valid TOML: {err}", str(file)))
+
+    tree = _merge(tree, env_overrides(environ, sources))
+
+    flag_tree: dict[str, Any] = {}
+    for dotted, value in (overrides or {}).items():
+        _set_path(flag_tree, dotted, value, sources, f"flag for {dotted}")
+    for item in sets or []:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            problems.append(ConfigProblem(item, "expected KEY=VALUE", "flag --set"))
+            continue
+        _set_path(flag_tree, key.strip(), _scalar(raw), sources, f"flag --set {key.strip()}")
+    tree = _merge(tree, flag_tree)
+
+    try:
+        config = Config.model_validate(tree)
+    except ValidationError as err:
+        for e in err.errors():
+            loc = [str(p) for p in e["loc"]]
+            key = ".".join(loc) or "(root)"
+            src = _source_of(loc, sources)
+            msg = e["msg"]
+            if e["type"] == "extra_forbidden":
+                msg = "unknown key"
+            elif "input" in e and not isinstance(e["input"], dict | list):
+                msg = f"{msg} (got {e['input']!r})"
+            problems.append(ConfigProblem(key, msg, src))
+        raise ConfigError(problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _source_of(loc: list[str], sources: Mapping[str, str]) -> str:
+    for n in range(len(loc), 0, -1):
+        key = ".".join(loc[:n])
+        if key in sources:
+            return sources[key]
+    return "defaults"

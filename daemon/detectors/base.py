@@ -1,0 +1,102 @@
+"""Machinery shared by every detector (detectors.md): baseline, warm-up, evidence
+floor, hysteresis, and the ``Finding`` a detector reports per subject.
+
+Detectors are pure: their output is a function of their own previous state, the
+read-only view of per-subject series handed to them, their config and ``now``.
+No kernel, no I/O, no wall clock — the same code runs in the daemon and in unit
+tests on synthetic series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """What an alert is about: a process, a KV tier, or both."""
+
+    key: str  # stable id: "pid:1234@5678" or "tier:3"
+    labels: Mapping[str, str]  # pid, engine, role, component, container, pod, tier
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A detector's verdict on one subject at one evaluation."""
+
+    alert: str
+    subject: Subject
+    firing: bool
+    cause: str = ""
+    values: Mapping[str, float] = field(default_factory=dict)
+    summary: str = ""
+    severity: str = "warning"
+
+
+class Detector(Protocol):
+    name: str
+
+    def forget(self, subject_key: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Baseline:
+    """Exponentially weighted mean with a half-life in seconds; frozen while alerting."""
+
+    half_life: float
+    value: float = 0.0
+    weight: float = 0.0  # how much history backs the value (0 → none yet)
+    last_t: float | None = None
+
+    def update(self, x: float, t: float) -> None:
+        if self.last_t is None:
+            self.value, self.weight, self.last_t = x, 1.0, t
+            return
+        dt = max(t - self.last_t, 0.0)
+        self.last_t = t
+        keep = math.pow(0.5, dt / self.half_life) if self.half_life > 0 else 0.0
+        self.value = keep * self.value + (1.0 - keep) * x
+        self.weight = keep * self.weight + (1.0 - keep)
+
+    def hold(self, t: float) -> None:
+        """Time passes without learning (the signal is alerting)."""
+        self.last_t = t
+
+
+@dataclass(slots=True)
+class Hysteresis:
+    """Fire after ``confirm`` consecutive hot evaluations; clear after ``clear``
+    consecutive evaluations below the clear condition (typically half the threshold)."""
+
+    confirm: int
+    clear: int
+    firing: bool = False
+    hot_streak: int = 0
+    cool_streak: int = 0
+    started_at: float | None = None
+
+    def step(self, hot: bool, cool: bool, t: float) -> tuple[bool, bool]:
+        """Returns (firing, changed)."""
+        if not self.firing:
+            self.hot_streak = self.hot_streak + 1 if hot else 0
+            if self.hot_streak >= self.confirm:
+                self.firing, self.cool_streak, self.started_at = True, 0, t
+                return True, True
+            return False, False
+        self.cool_streak = self.cool_streak + 1 if cool else 0
+        if self.cool_streak >= self.clear:
+            self.firing, self.hot_streak, self.started_at = False, 0, None
+            return False, True
+        return True, False
+
+
+def over_baseline(value: float, baseline: float, factor: float, floor: float) -> bool:
+    """The evidence floor: a rate must beat both ``factor`` x baseline and an absolute floor."""
+    return value >= max(factor * baseline, floor) and value > 0
+
+
+def threshold(baseline: float, factor: float, floor: float) -> float:
+    return max(factor * baseline, floor)

@@ -1,0 +1,50 @@
+"""The read-only view detectors evaluate: per-process and per-tier windows for one tick."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvwatch.daemon.detectors.base import Subject
+from kvwatch.daemon.series import SeriesSet
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessWindow:
+    subject: Subject
+    age: float  # seconds since kvwatch first saw the process
+    series: SeriesSet  # page_free_pages, direct_reclaim_seconds, memcg_reclaim_seconds, ...
+    alive: bool = True
+    memory_cgroup: str = ""
+    psi_some_avg10: float | None = None  # the process's memory cgroup, where known
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TierWindow:
+    subject: Subject
+    age: float
+    series: SeriesSet  # reclaim_pages, policy_pages, refault_pages, added_pages (+ _bytes)
+    owners: Sequence[ProcessWindow] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OomEvent:
+    """An OOM kill that concerns a watched process (itself, or a sibling in its memory cgroup)."""
+
+    subject: Subject
+    victim_pid: int
+    victim_comm: str
+    sibling_of: str  # "" when the victim itself was watched, else the watched process's key
+    anon_rss_bytes: int
+    file_rss_bytes: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    now: float
+    processes: Mapping[str, ProcessWindow]
+    tiers: Mapping[str, TierWindow]
+    psi_memory_some_avg10: float | None = None
+    oom_events: Sequence[OomEvent] = ()

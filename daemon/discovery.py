@@ -1,0 +1,263 @@
+"""Finding inference processes: rules (data), hand-added PIDs, NVML, children.
+
+A scan reads ``/proc`` once per process (stat + cmdline; cgroup and a few
+environment keys only for matches) and returns typed ``DiscoveredProcess``
+records. Processes that vanish mid-read are skipped and counted, never raised.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvwatch.daemon.cgroups import CgroupIdentity, parse_cgroup
+from kvwatch.daemon.config import DiscoveryConfig, EngineRule
+from kvwatch.daemon.procfs import (
+    ProcAccessDenied,
+    ProcError,
+    ProcessGone,
+    ProcessIdentity,
+    ProcessInfo,
+    ProcFS,
+)
+
+# engines.md: process titles, command lines, and the names worth recognising.
+DEFAULT_RULES: tuple[EngineRule, ...] = (
+    EngineRule(engine="vllm", comm=r"^VLLM::"),
+    EngineRule(engine="vllm", cmdline=r"^VLLM::"),
+    EngineRule(
+        engine="vllm",
+        cmdline=r"(^|[\s/])vllm\s+serve\b|\bvllm\.entrypoints\b|(^|\s)-m\s+vllm(\.|\s|$)",
+    ),
+    EngineRule(engine="sglang", comm=r"^sglang::"),
+    EngineRule(engine="sglang", cmdline=r"^sglang::"),
+    EngineRule(engine="sglang", cmdline=r"\bsglang\.launch_server\b|(^|[\s/])sglang\s+serve\b"),
+    EngineRule(engine="tgi", comm=r"^text-generation", role="router"),
+    EngineRule(
+        engine="tgi",
+        cmdline=r"(^|[\s/])text-generation-(router|server|launcher)\b",
+    ),
+    EngineRule(engine="triton", comm=r"^tritonserver$"),
+    EngineRule(engine="lmdeploy", cmdline=r"(^|[\s/])lmdeploy\s+serve\b"),
+    EngineRule(engine="lmcache", cmdline=r"\blmcache[._a-z0-9]*\.server\b|(^|[\s/])lmcache_server\b"),
+    EngineRule(engine="dynamo", cmdline=r"(^|\s)-m\s+dynamo\.|(^|[\s/])dynamo-run\b"),
+)
+
+# Component (which process of an engine) from titles and command lines.
+_COMPONENTS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"VLLM::APIServer"), "api_server"),
+    (re.compile(r"VLLM::EngineCore"), "engine_core"),
+    (re.compile(r"VLLM::Worker"), "worker"),
+    (re.compile(r"VLLM::DPCoordinator"), "dp_coordinator"),
+    (re.compile(r"sglang::scheduler"), "scheduler"),
+    (re.compile(r"sglang::detokenizer"), "detokenizer"),
+    (re.compile(r"sglang::(tokenizer|http)"), "tokenizer"),
+    (re.compile(r"text-generation-router"), "router"),
+    (re.compile(r"text-generation-server"), "shard"),
+    (re.compile(r"text-generation-launcher"), "launcher"),
+    (re.compile(r"\bvllm\s+serve\b|vllm\.entrypoints"), "api_server"),
+    (re.compile(r"sglang\.launch_server|sglang\s+serve"), "server"),
+)
+
+_KV_ROLE = re.compile(r"""["']?kv_role["']?\s*[:=]\s*["']?(kv_producer|kv_consumer|kv_both)""")
+_KV_ROLE_MAP = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+_SGLANG_DISAGG = re.compile(r"--disaggregation-mode[=\s]+(prefill|decode)\b")
+
+# Environment keys read from a matched process (and nothing else is kept).
+ENV_KEYS = (
+    "HOSTNAME",
+    "LMCACHE_LOCAL_DISK",
+    "LMCACHE_CONFIG_FILE",
+    "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    "VLLM_PROCESS_NAME_PREFIX",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledRule:
+    engine: str
+    comm: re.Pattern[str] | None
+    cmdline: re.Pattern[str] | None
+    role: str | None
+
+    def matches(self, comm: str, cmdline: str) -> bool:
+        if self.comm is not None and self.comm.search(comm):
+            return True
+        return self.cmdline is not None and bool(self.cmdline.search(cmdline))
+
+
+def compile_rules(rules: Iterable[EngineRule]) -> list[CompiledRule]:
+    return [
+        CompiledRule(
+            engine=r.engine,
+            comm=re.compile(r.comm) if r.comm else None,
+            cmdline=re.compile(r.cmdline) if r.cmdline else None,
+            role=r.role,
+        )
+        for r in rules
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Labels:
+    engine: str
+    role: str = ""  # disaggregation role: prefill / decode / both, "" when not disaggregated
+    component: str = ""  # which process of the engine: api_server, engine_core, worker, ...
+    container: str = ""
+    pod: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveredProcess:
+    identity: ProcessIdentity
+    comm: str
+    cmdline: str
+    labels: Labels
+    source: str  # rule / manual / nvml / child
+    cgroup: CgroupIdentity
+    environ: dict[str, str] = field(default_factory=dict)
+    parent: ProcessIdentity | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.identity.pid
+
+
+@dataclass(slots=True)
+class ScanStats:
+    scanned: int = 0
+    vanished: int = 0
+    denied: int = 0
+    errors: int = 0
+
+
+def disagg_role(cmdline: str) -> str:
+    m = _KV_ROLE.search(cmdline)
+    if m:
+        return _KV_ROLE_MAP[m.group(1)]
+    m = _SGLANG_DISAGG.search(cmdline)
+    if m:
+        return m.group(1)
+    return ""
+
+
+def component_of(comm: str, cmdline: str) -> str:
+    for pattern, name in _COMPONENTS:
+        if pattern.search(comm) or pattern.search(cmdline):
+            return name
+    return ""
+
+
+class Discovery:
+    """Stateless scanner: given /proc, config and optional NVML PIDs, which processes to watch."""
+
+    def __init__(
+        self,
+        config: DiscoveryConfig,
+        procfs: ProcFS,
+        nvml_pids: Callable[[], Sequence[int]] | None = None,
+    ) -> None:
+        self.config = config
+        self.procfs = procfs
+        rules = list(config.rules)
+        if config.default_rules:
+            rules += DEFAULT_RULES
+        self.rules = compile_rules(rules)
+        self.nvml_pids = nvml_pids
+        self.stats = ScanStats()
+
+    def match(self, comm: str, cmdline: str) -> CompiledRule | None:
+        for r in self.rules:
+            if r.matches(comm, cmdline):
+                return r
+        return None
+
+    def describe(
+        self,
+        info: ProcessInfo,
+        engine: str,
+        source: str,
+        *,
+        role: str | None = None,
+        parent: DiscoveredProcess | None = None,
+    ) -> DiscoveredProcess:
+        """Build the record for a process we decided to watch (reads its cgroup and env keys)."""
+        cg = parse_cgroup(info.cgroup)
+        env: dict[str, str] = {}
+        try:
+            full = self.procfs.environ(info.pid)
+        except ProcError:
+            full = {}
+        env = {k: full[k] for k in ENV_KEYS if k in full}
+        text = info.cmdline_text
+        labels = Labels(
+            engine=engine,
+            role=role or disagg_role(text) or (parent.labels.role if parent else ""),
+            component=component_of(info.comm, text) or ("child" if parent else ""),
+            container=cg.container_id or (parent.labels.container if parent else ""),
+            pod=(env.get("HOSTNAME", "") if cg.pod_uid else "")
+            or (parent.labels.pod if parent else ""),
+        )
+        return DiscoveredProcess(
+            identity=info.identity,
+            comm=info.comm,
+            cmdline=text,
+            labels=labels,
+            source=source,
+            cgroup=cg,
+            environ=env,
+            parent=parent.identity if parent else None,
+        )
+
+    def _classify(self, pid: int, manual: set[int], gpu: set[int]) -> DiscoveredProcess | None:
+        """Cheap reads first (stat, cmdline); the full record only for a process we keep."""
+        try:
+            st = self.procfs.stat(pid)
+            cmd = " ".join(self.procfs.cmdline(pid))
+            rule = self.match(st.comm, cmd)
+            if rule is None and pid not in manual and pid not in gpu:
+                return None
+            info = self.procfs.info(pid)
+        except ProcessGone:
+            self.stats.vanished += 1
+            return None
+        except ProcAccessDenied:
+            self.stats.denied += 1
+            return None
+        if info.identity.start_ticks != st.start_ticks:
+            self.stats.vanished += 1  # recycled between the reads
+            return None
+        if rule is not None:
+            return self.describe(info, rule.engine, "rule", role=rule.role)
+        return self.describe(info, "unknown", "manual" if pid in manual else "nvml")
+
+    def examine(self, pid: int) -> DiscoveredProcess | None:
+        """One PID (an exec or rename hint): a record if it matches a rule or was asked for."""
+        return self._classify(pid, set(self.config.pids), set())
+
+    def scan(self) -> list[DiscoveredProcess]:
+        """Every process to watch right now (children are added by the caller, from the kernel)."""
+        self.stats = ScanStats()
+        manual = set(self.config.pids)
+        gpu: set[int] = set()
+        if self.nvml_pids is not None:
+            try:
+                gpu = set(self.nvml_pids())
+            except Exception:  # NVML errors must not stop discovery
+                self.stats.errors += 1
+        try:
+            pids = list(self.procfs.pids())
+        except ProcError:
+            self.stats.errors += 1
+            return []
+        found: list[DiscoveredProcess] = []
+        for pid in pids:
+            self.stats.scanned += 1
+            d = self._classify(pid, manual, gpu)
+            if d is not None:
+                found.append(d)
+        return found

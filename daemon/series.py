@@ -1,0 +1,78 @@
+"""Per-subject time series of cumulative counters, and rates over trailing windows.
+
+The kernel keeps cumulative counters; each tick appends (time, value) here and
+detectors ask for the rate over the last W seconds. Bounded: samples older than
+the horizon are dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CounterSeries:
+    horizon: float = 600.0
+    samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def add(self, t: float, value: float) -> None:
+        if self.samples and value < self.samples[-1][1]:
+            # counter went backwards (map entry recreated): restart the series
+            self.samples.clear()
+        self.samples.append((t, value))
+        cutoff = t - self.horizon
+        while len(self.samples) > 2 and self.samples[1][0] <= cutoff:
+            self.samples.popleft()
+
+    @property
+    def last(self) -> float:
+        return self.samples[-1][1] if self.samples else 0.0
+
+    def delta(self, window: float) -> tuple[float, float]:
+        """(increase, elapsed seconds) over the trailing ``window`` (or what exists of it)."""
+        if len(self.samples) < 2:
+            return 0.0, 0.0
+        t_end, v_end = self.samples[-1]
+        start = self.samples[0]
+        for s in reversed(self.samples):
+            if s[0] <= t_end - window + 1e-9:
+                start = s
+                break
+        dt = t_end - start[0]
+        return v_end - start[1], dt
+
+    def rate(self, window: float) -> float:
+        inc, dt = self.delta(window)
+        return inc / dt if dt > 0 else 0.0
+
+
+@dataclass(slots=True)
+class SeriesSet:
+    """Named counter series of one subject (a process or a tier)."""
+
+    horizon: float = 600.0
+    series: dict[str, CounterSeries] = field(default_factory=dict)
+
+    def add(self, t: float, values: dict[str, float]) -> None:
+        for name, v in values.items():
+            s = self.series.get(name)
+            if s is None:
+                s = self.series[name] = CounterSeries(self.horizon)
+            s.add(t, v)
+
+    def rate(self, name: str, window: float) -> float:
+        s = self.series.get(name)
+        return s.rate(window) if s else 0.0
+
+    def delta(self, name: str, window: float) -> float:
+        s = self.series.get(name)
+        return s.delta(window)[0] if s else 0.0
+
+    def last(self, name: str) -> float:
+        s = self.series.get(name)
+        return s.last if s else 0.0
+
+    def rates(self, names: Iterable[str], window: float) -> dict[str, float]:
+        return {n: self.rate(n, window) for n in names}

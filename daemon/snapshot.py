@@ -1,0 +1,75 @@
+"""The immutable snapshot the loop publishes once per tick.
+
+Exporters (Prometheus, top, record) read only this: they never touch BPF maps,
+so any number of concurrent readers see consistent numbers and nobody can
+split a count by reading-and-clearing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvwatch.daemon.alerts import Alert
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessView:
+    key: str  # "pid@start_ticks"
+    pid: int
+    labels: Mapping[str, str]  # engine, role, component, container, pod
+    source: str
+    alive: bool
+    totals: Mapping[str, float]  # cumulative: page_free_pages, direct_reclaim_seconds, ...
+    rates: Mapping[str, float]  # per second over the rate window
+    gpu_used_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierView:
+    key: str
+    tier_id: int
+    name: str
+    path: str
+    source: str
+    owners: tuple[int, ...]
+    files: int
+    totals: Mapping[str, float]  # reclaim_bytes, policy_bytes, refault_pages, added_pages
+    rates: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeView:
+    name: str
+    family: str
+    target: str
+    state: str
+    required: bool
+    hits: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    wall_time: float
+    monotonic: float
+    tick: int
+    ready: bool
+    not_ready_reasons: tuple[str, ...]
+    processes: tuple[ProcessView, ...] = ()
+    tiers: tuple[TierView, ...] = ()
+    alerts: tuple[Alert, ...] = ()
+    alerts_fired: Mapping[str, int] = field(default_factory=dict)
+    oom_kills: Mapping[tuple[str, str, str, str], int] = field(default_factory=dict)
+    probes: tuple[ProbeView, ...] = ()
+    lost: Mapping[str, int] = field(default_factory=dict)
+    errors: Mapping[str, int] = field(default_factory=dict)
+    watched_by_engine: Mapping[str, int] = field(default_factory=dict)
+    label_overflow: int = 0
+    loop_seconds: float = 0.0
+    psi_memory_some_avg10: float | None = None
+    recent_alerts: tuple[Alert, ...] = ()
+
+    @staticmethod
+    def empty(reason: str = "starting") -> Snapshot:
+        return Snapshot(wall_time=0.0, monotonic=0.0, tick=0, ready=False, not_ready_reasons=(reason,))

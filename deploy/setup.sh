@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# kvwatch set-up for a fresh Debian/Ubuntu machine, then an action.
+#
+#   sudo deploy/setup.sh run  [kvwatch run flags...]   set up, then `kvwatch run` in the foreground
+#   sudo deploy/setup.sh test [pytest args...]         set up (with test tools), then lint + the whole test suite
+#   sudo deploy/setup.sh                                set up only
+#
+# Idempotent: a second call only checks. Installs bcc from the distribution
+# (python3-bpfcc), kernel headers (matching, or the distribution's generic tree
+# linked in), mounts tracefs, builds .venv on /usr/bin/python3 with system site
+# packages (bcc imports only there) and installs kvwatch into it.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+action=${1:-setup}
+[ $# -gt 0 ] && shift
+venv="$here/.venv"
+say() { printf 'kvwatch-setup: %s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (BPF, tracefs and apt need it): sudo $0 $action"
+command -v apt-get >/dev/null || die "this script knows apt (Debian/Ubuntu); install python3-bpfcc and kernel headers by hand"
+
+export DEBIAN_FRONTEND=noninteractive
+apt_updated=0
+apt_install() {
+    local missing=()
+    for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ $apt_updated = 0 ]; then apt-get update -qq; apt_updated=1; fi
+    say "installing ${missing[*]}"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# --- bcc and the interpreter it imports under --------------------------------
+apt_install python3-bpfcc python3-venv python3-pip ca-certificates kmod
+/usr/bin/python3 -c 'import bcc' 2>/dev/null || die "python3-bpfcc is installed but 'import bcc' fails under /usr/bin/python3"
+
+# --- kernel headers ------------------------------------------------------------
+kver=$(uname -r)
+build="/lib/modules/$kver/build"
+if [ ! -e "$build/include/linux/kconfig.h" ]; then
+    if apt-cache show "linux-headers-$kver" >/dev/null 2>&1; then
+        apt_install "linux-headers-$kver"
+    else
+        meta=linux-headers-amd64
+        . /etc/os-release
+        [ "${ID:-}" = ubuntu ] && meta=linux-headers-generic
+        [ "$(uname -m)" = aarch64 ] && { [ "${ID:-}" = ubuntu ] && meta=linux-headers-generic || meta=linux-headers-arm64; }
+        apt_install "$meta"
+        tree=$(ls -d /usr/src/linux-headers-*-"${meta#linux-headers-}" 2>/dev/null | sort -V | tail -n1)
+        [ -n "$tree" ] || tree=$(ls -d /usr/src/linux-headers-*-generic 2>/dev/null | sort -V | tail -n1)
+        [ -n "$tree" ] || die "no kernel header tree under /usr/src after installing $meta"
+        common="${tree%-*}-common"
+        [ -d "$common" ] || common=$tree
+        mkdir -p "/lib/modules/$kver"
+        ln -sfn "$tree" "$build"
+        ln -sfn "$common" "/lib/modules/$kver/source"
+        say "warning: no headers package matches kernel $kver; linked $(basename "$tree") instead." \
+            "Safe for kvwatch: its BPF code reads only tracepoint fields and probe arguments, never kernel struct layouts."
+    fi
+fi
+
+# --- tracefs ---------------------------------------------------------------------
+if [ ! -e /sys/kernel/tracing/events ]; then
+    mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null \
+        || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null \
+        || die "cannot mount tracefs at /sys/kernel/tracing"
+    say "mounted tracefs"
+fi
+
+# --- test-only tools -------------------------------------------------------------
+if [ "$action" = test ]; then
+    # promtool (golden /metrics check), tmux (top tests), iproute2 (namespaces)
+    apt_install prometheus iproute2 tmux
+fi
+
+# --- virtualenv --------------------------------------------------------------------
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import bcc' 2>/dev/null; then
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv --system-site-packages "$venv"
+    say "created $venv on /usr/bin/python3 (system site packages, for bcc)"
+fi
+extras=""
+[ "$action" = test ] && extras="[test]"
+stamp="$venv/.kvwatch-installed"
+want="$(cd "$here" && { cat pyproject.toml; find daemon probes exporters -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' \) | sort; } | sha256sum | cut -c1-16)$extras"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -U pip setuptools >/dev/null
+    # strict editable mode: a link tree, so mypy and the tests see the same files as the daemon
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+        -e "$here$extras" --config-settings editable_mode=strict >/dev/null
+    echo "$want" > "$stamp"
+    say "installed kvwatch into $venv"
+fi
+
+case "$action" in
+    setup) say "ready: $venv/bin/kvwatch" ;;
+    run) exec "$venv/bin/kvwatch" run "$@" ;;
+    test)
+        cd "$here"
+        "$venv/bin/ruff" check .
+        "$venv/bin/mypy" -p kvwatch
+        exec "$venv/bin/python" -m pytest "$@"
+        ;;
+    *) die "unknown action '$action' (setup | run | test)" ;;
+esac

@@ -1,0 +1,186 @@
+"""Prometheus custom collector: fresh metric families from the latest snapshot on every scrape.
+
+Per-process series exist exactly while the process is watched (no labelled
+Gauge leaking dead label sets); nothing here touches BPF maps, so concurrent
+scrapers always agree.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from kvwatch.daemon.alerts import ALERT_NAMES
+from kvwatch.daemon.snapshot import Snapshot
+
+PROCESS_LABELS = ("pid", "engine", "role", "component", "container", "pod")
+ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe")
+OOM_LABELS = ("engine", "role", "container", "pod")
+
+
+def _values(labels: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
+    return [str(labels.get(n, "")) for n in names]
+
+
+class SnapshotCollector(Collector):
+    def __init__(
+        self,
+        get_snapshot: Callable[[], Snapshot],
+        *,
+        version: str = "",
+        bcc_version: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.get_snapshot = get_snapshot
+        self.version = version
+        self.bcc_version = bcc_version
+        self.clock = clock
+
+    def describe(self) -> Iterator[Metric]:
+        # Families are the same on every scrape; describing them from an empty
+        # snapshot lets the registry check names without a live daemon.
+        yield from self._families(Snapshot.empty())
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.get_snapshot())
+
+    def _families(self, s: Snapshot) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "kvwatch_build_info", "kvwatch version labels", labels=["version", "bcc_version", "kernel"]
+        )
+        info.add_metric([self.version, self.bcc_version, platform.release()], 1)
+        yield info
+
+        ready = GaugeMetricFamily("kvwatch_ready", "1 when every probe the config asks for is attached")
+        ready.add_metric([], 1 if s.ready else 0)
+        yield ready
+        age = GaugeMetricFamily("kvwatch_snapshot_age_seconds", "seconds since the loop published the data served")
+        age.add_metric([], max(0.0, self.clock() - s.wall_time) if s.wall_time else 0.0)
+        yield age
+        loop = GaugeMetricFamily("kvwatch_loop_duration_seconds", "duration of the last loop tick")
+        loop.add_metric([], s.loop_seconds)
+        yield loop
+
+        attached = GaugeMetricFamily(
+            "kvwatch_probe_attached", "1 attached, 0 not (state says why)", labels=["probe", "family", "state"]
+        )
+        hits = CounterMetricFamily("kvwatch_probe_hits", "times the probe fired", labels=["probe", "family"])
+        for p in s.probes:
+            attached.add_metric([p.name, p.family, p.state], 1 if p.state == "attached" else 0)
+            hits.add_metric([p.name, p.family], p.hits)
+        yield attached
+        yield hits
+
+        lost = CounterMetricFamily(
+            "kvwatch_events_lost", "events dropped anywhere (ring buffer full, map full, queue full)", labels=["source"]
+        )
+        for source, n in sorted(s.lost.items()):
+            lost.add_metric([source], n)
+        yield lost
+        errors = CounterMetricFamily("kvwatch_errors", "errors counted by the daemon, by kind", labels=["kind"])
+        for kind, n in sorted(s.errors.items()):
+            errors.add_metric([kind], n)
+        yield errors
+
+        watched = GaugeMetricFamily(
+            "kvwatch_watched_processes", "inference processes being watched", labels=["engine"]
+        )
+        for engine, n in sorted(s.watched_by_engine.items()):
+            watched.add_metric([engine], n)
+        yield watched
+        overflow = CounterMetricFamily(
+            "kvwatch_watched_processes_overflow", "processes not watched because the label cap was reached"
+        )
+        overflow.add_metric([], s.label_overflow)
+        yield overflow
+
+        yield from self._process_families(s)
+        yield from self._tier_families(s)
+
+        oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
+        for key, n in sorted(s.oom_kills.items()):
+            oom.add_metric(list(key), n)
+        yield oom
+
+        active = GaugeMetricFamily(
+            "kvwatch_alert_active", "1 while a detector's alert is firing", labels=list(ALERT_LABELS)
+        )
+        for a in s.alerts:
+            active.add_metric(_values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS), 1)
+        yield active
+        fired = CounterMetricFamily("kvwatch_alerts_fired", "alert onsets", labels=["alert"])
+        for name in sorted(set(ALERT_NAMES) | set(s.alerts_fired)):
+            fired.add_metric([name], s.alerts_fired.get(name, 0))
+        yield fired
+
+        if s.psi_memory_some_avg10 is not None:
+            psi = GaugeMetricFamily("kvwatch_memory_pressure_some_avg10", "node memory PSI 'some' avg10 (percent)")
+            psi.add_metric([], s.psi_memory_some_avg10)
+            yield psi
+
+    def _process_families(self, s: Snapshot) -> Iterator[Metric]:
+        labels = list(PROCESS_LABELS)
+        pages = CounterMetricFamily(
+            "kvwatch_page_free_pages", "pages released by a watched process (in its context)", labels=labels
+        )
+        reclaim = CounterMetricFamily(
+            "kvwatch_direct_reclaim_seconds",
+            "time a watched process spent stalled in direct reclaim (scope: global or memcg limit)",
+            labels=[*labels, "scope"],
+        )
+        stalls = CounterMetricFamily(
+            "kvwatch_direct_reclaim_stalls", "direct reclaim episodes of a watched process", labels=[*labels, "scope"]
+        )
+        gpu = GaugeMetricFamily(
+            "kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels
+        )
+        for p in s.processes:
+            v = _values(p.labels, PROCESS_LABELS)
+            pages.add_metric(v, p.totals.get("page_free_pages", 0.0))
+            reclaim.add_metric([*v, "global"], p.totals.get("direct_reclaim_seconds", 0.0))
+            reclaim.add_metric([*v, "memcg"], p.totals.get("memcg_reclaim_seconds", 0.0))
+            stalls.add_metric([*v, "global"], p.totals.get("direct_reclaim_count", 0.0))
+            stalls.add_metric([*v, "memcg"], p.totals.get("memcg_reclaim_count", 0.0))
+            if p.gpu_used_bytes is not None:
+                gpu.add_metric(v, p.gpu_used_bytes)
+        yield pages
+        yield reclaim
+        yield stalls
+        yield gpu
+
+    def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
+        evicted = CounterMetricFamily(
+            "kvwatch_pagecache_evicted_bytes",
+            "page-cache bytes of KV-tier files evicted; cause=reclaim (memory pressure) or policy (deleted/truncated)",
+            labels=["tier", "cause"],
+        )
+        refault = CounterMetricFamily(
+            "kvwatch_pagecache_refault_pages", "KV-tier file pages read back after reclaim evicted them", labels=["tier"]
+        )
+        files = GaugeMetricFamily("kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"])
+        for t in s.tiers:
+            evicted.add_metric([t.name, "reclaim"], t.totals.get("reclaim_bytes", 0.0))
+            evicted.add_metric([t.name, "policy"], t.totals.get("policy_bytes", 0.0))
+            refault.add_metric([t.name], t.totals.get("refault_pages", 0.0))
+            files.add_metric([t.name, t.source], t.files)
+        yield evicted
+        yield refault
+        yield files
+
+
+def build_registry(collector: SnapshotCollector, *, self_process: bool = True) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(collector)
+    if self_process:
+        ProcessCollector(namespace="kvwatch", registry=registry)
+    return registry

@@ -1,0 +1,173 @@
+"""The one module that imports bcc.
+
+Everything above this module sees plain Python values and the typed records of
+``kvwatch.probes.records``; bcc's objects do not leak out except as the opaque
+``Table`` handles the loaders use to read and write their own maps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvwatch.probes.errors import BccUnavailable, ProbeAttachError, ProbeCompileError
+
+PROBES_DIR = Path(__file__).resolve().parent
+
+try:  # bcc comes from the distribution (python3-bpfcc), importable by /usr/bin/python3 only
+    import bcc as _bcc
+except ImportError as _err:  # pragma: no cover - depends on the machine
+    _bcc = None
+    _IMPORT_ERROR: ImportError | None = _err
+else:
+    _IMPORT_ERROR = None
+
+Table = Any
+"""A bcc map handle; loaders use ``Key``/``Leaf`` and item access on it."""
+
+
+def bcc_available() -> bool:
+    return _bcc is not None
+
+
+def bcc_version() -> str:
+    if _bcc is None:
+        return ""
+    return str(getattr(_bcc, "__version__", "unknown"))
+
+
+def require_bcc() -> Any:
+    if _bcc is None:
+        raise BccUnavailable(
+            "cannot import bcc: install python3-bpfcc and run under /usr/bin/python3 "
+            f"or a venv built with --system-site-packages on it ({_IMPORT_ERROR})"
+        )
+    return _bcc
+
+
+def num_possible_cpus() -> int:
+    bcc = require_bcc()
+    return len(bcc.utils.get_possible_cpus())
+
+
+def program_text(source: Path) -> str:
+    """``common.h`` followed by the family's source, with #line markers for errors.
+
+    bcc rewrites map calls (``hits.lookup``) only in the main file, not in headers
+    it includes, so the shared helpers are put in front of the program text; the
+    family's own ``#include "common.h"`` then hits the include guard.
+    """
+    common = PROBES_DIR / "common.h"
+    return (
+        f'#line 1 "{common.name}"\n{common.read_text()}\n'
+        f'#line 1 "{source.name}"\n{source.read_text()}'
+    )
+
+
+class Program:
+    """One compiled BPF program: attach/detach hooks, read maps, poll ring buffers."""
+
+    def __init__(self, source: Path, cflags: Sequence[str]) -> None:
+        bcc = require_bcc()
+        self.source = source
+        self.cflags = [*cflags, f"-I{PROBES_DIR}"]
+        self.text = program_text(source)
+        try:
+            self._bpf = bcc.BPF(text=self.text.encode(), cflags=self.cflags)
+        except Exception as err:  # bcc raises bare Exception on compile/load failure
+            raise ProbeCompileError(f"{source.name}: {err}") from err
+        self._tracepoints: list[str] = []
+        self._uprobes: list[tuple[str, str, int, bool]] = []
+        self._closed = False
+
+    # --- attachment ------------------------------------------------------------
+    def attach_tracepoint(self, hook: str, tracepoint: str, fn_name: str) -> None:
+        try:
+            self._bpf.attach_tracepoint(tp=tracepoint.encode(), fn_name=fn_name.encode())
+        except Exception as err:
+            raise ProbeAttachError(hook, tracepoint, str(err)) from err
+        self._tracepoints.append(tracepoint)
+
+    def detach_tracepoint(self, tracepoint: str) -> None:
+        if tracepoint in self._tracepoints:
+            self._tracepoints.remove(tracepoint)
+            self._bpf.detach_tracepoint(tp=tracepoint.encode())
+
+    def attach_uprobe(
+        self,
+        hook: str,
+        path: str,
+        fn_name: str,
+        *,
+        pid: int,
+        sym: str = "",
+        addr: int = 0,
+        retprobe: bool = False,
+    ) -> None:
+        kwargs: dict[str, Any] = {"name": path.encode(), "fn_name": fn_name.encode(), "pid": pid}
+        if addr:
+            kwargs["addr"] = addr
+        else:
+            kwargs["sym"] = sym.encode()
+        target = f"{path}:{sym or hex(addr)}"
+        try:
+            if retprobe:
+                self._bpf.attach_uretprobe(**kwargs)
+            else:
+                self._bpf.attach_uprobe(**kwargs)
+        except Exception as err:
+            raise ProbeAttachError(hook, target, str(err)) from err
+
+    def detach_uprobe(
+        self, path: str, *, pid: int, sym: str = "", addr: int = 0, retprobe: bool = False
+    ) -> None:
+        kwargs: dict[str, Any] = {"name": path.encode(), "pid": pid}
+        if addr:
+            kwargs["addr"] = addr
+        else:
+            kwargs["sym"] = sym.encode()
+        if retprobe:
+            self._bpf.detach_uretprobe(**kwargs)
+        else:
+            self._bpf.detach_uprobe(**kwargs)
+
+    # --- maps ----------------------------------------------------------------------
+    def table(self, name: str) -> Table:
+        return self._bpf.get_table(name)
+
+    def open_ring_buffer(self, name: str, callback: Callable[[bytes], None]) -> None:
+        def _cb(_ctx: Any, data: Any, size: int) -> int:
+            callback(ctypes.string_at(data, size))
+            return 0
+
+        self._bpf[name].open_ring_buffer(_cb)
+
+    def poll(self, timeout_ms: int) -> None:
+        """Drain ring buffers, waiting at most ``timeout_ms`` for the first record."""
+        self._bpf.ring_buffer_poll(timeout_ms)
+
+    def consume(self) -> None:
+        """Drain ring buffers without waiting."""
+        self._bpf.ring_buffer_consume()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._bpf.cleanup()
+
+
+def percpu_sum(values: Sequence[Any], fields: Sequence[str]) -> dict[str, int]:
+    """Sum a per-CPU leaf (a list of ctypes structs) field by field."""
+    out = dict.fromkeys(fields, 0)
+    for v in values:
+        for f in fields:
+            out[f] += int(getattr(v, f))
+    return out
+
+
+def iter_percpu_hash(table: Table) -> Iterator[tuple[Any, Sequence[Any]]]:
+    """Items of a BPF_PERCPU_HASH as (key, per-CPU values)."""
+    yield from table.items()

@@ -1,0 +1,374 @@
+"""Loader for the kernel-memory probe family (``memory.bpf.c``).
+
+Hooks tracepoints only (kprobes may be absent; fentry may be refused), keeps
+the watched-TGID map and the KV-tier inode set in the kernel current, and turns
+the maps and ring buffer into the typed records of ``kvwatch.probes.records``.
+Overhead and caveats are at the top of ``memory.bpf.c``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwatch.probes import tracefs
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.errors import ProbeAttachError
+from kvwatch.probes.records import (
+    EventBatch,
+    MemoryEvent,
+    HookState,
+    HookStatus,
+    MemorySample,
+    OomKill,
+    ProcessExec,
+    ProcessExited,
+    ProcessForked,
+    ProcessMemoryCounters,
+    ProcessRenamed,
+    TierCounters,
+)
+
+FAMILY = "memory"
+SOURCE = PROBES_DIR / "memory.bpf.c"
+
+FEATURES = ("page_free", "pagecache", "reclaim", "oom", "lifecycle")
+
+
+@dataclass(frozen=True, slots=True)
+class Hook:
+    name: str
+    tracepoint: str
+    feature: str
+    required: bool = True
+
+    @property
+    def fn(self) -> str:
+        return f"kvw_{self.name}"
+
+
+# The single list of hooks: its order gives the hit-counter indices passed to the C code.
+HOOKS: tuple[Hook, ...] = (
+    Hook("page_free", "kmem:mm_page_free", "page_free"),
+    Hook("pagecache_delete", "filemap:mm_filemap_delete_from_page_cache", "pagecache"),
+    Hook("pagecache_add", "filemap:mm_filemap_add_to_page_cache", "pagecache"),
+    Hook("direct_reclaim_begin", "vmscan:mm_vmscan_direct_reclaim_begin", "reclaim"),
+    Hook("direct_reclaim_end", "vmscan:mm_vmscan_direct_reclaim_end", "reclaim"),
+    Hook("memcg_reclaim_begin", "vmscan:mm_vmscan_memcg_reclaim_begin", "reclaim"),
+    Hook("memcg_reclaim_end", "vmscan:mm_vmscan_memcg_reclaim_end", "reclaim"),
+    Hook("oom_victim", "oom:mark_victim", "oom"),
+    Hook("task_newtask", "task:task_newtask", "lifecycle"),
+    Hook("process_exec", "sched:sched_process_exec", "lifecycle"),
+    Hook("process_exit", "sched:sched_process_exit", "lifecycle"),
+    # a hint only: discovery rescans catch renames anyway
+    Hook("task_rename", "task:task_rename", "lifecycle", required=False),
+)
+
+# Loss sources counted in the kernel, in index order.
+LOST_SOURCES: tuple[str, ...] = (
+    "ringbuf",
+    "proc_stats_full",
+    "watched_full",
+    "reclaim_window_full",
+)
+
+_EV_OOM, _EV_FORK, _EV_EXEC, _EV_EXIT, _EV_RENAME = 1, 2, 3, 4, 5
+
+_PROC_FIELDS = (
+    "page_free_pages",
+    "direct_reclaim_ns",
+    "direct_reclaim_count",
+    "memcg_reclaim_ns",
+    "memcg_reclaim_count",
+)
+_TIER_FIELDS = ("reclaim_pages", "policy_pages", "added_pages", "refault_pages")
+
+
+class _RawEvent(ctypes.Structure):
+    """Mirror of ``struct kvw_event_t``."""
+
+    _fields_ = (
+        ("type", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("tgid", ctypes.c_uint32),
+        ("aux", ctypes.c_uint32),
+        ("ts_ns", ctypes.c_uint64),
+        ("a", ctypes.c_uint64),
+        ("b", ctypes.c_uint64),
+        ("c", ctypes.c_uint64),
+        ("d", ctypes.c_uint64),
+        ("comm", ctypes.c_char * 16),
+        ("name", ctypes.c_char * 64),
+    )
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def decode_event(data: bytes) -> OomKill | ProcessForked | ProcessExec | ProcessExited | ProcessRenamed:
+    """Decode one ring-buffer record; ``ValueError`` for anything malformed."""
+    if len(data) < ctypes.sizeof(_RawEvent):
+        raise ValueError(f"short event: {len(data)} bytes")
+    e = _RawEvent.from_buffer_copy(data)
+    comm = _text(e.comm)
+    if e.type == _EV_OOM:
+        return OomKill(
+            victim_pid=e.pid,
+            victim_comm=_text(e.name),
+            watched=bool(e.aux),
+            total_vm_pages=e.a,
+            anon_rss_pages=e.b,
+            file_rss_pages=e.c,
+            shmem_rss_pages=e.d,
+            killer_tgid=e.tgid,
+            ts_ns=e.ts_ns,
+        )
+    if e.type == _EV_FORK:
+        return ProcessForked(parent_tgid=e.aux, child_pid=e.pid, comm=comm, ts_ns=e.ts_ns)
+    if e.type == _EV_EXEC:
+        return ProcessExec(
+            pid=e.pid, old_pid=e.aux, filename=_text(e.name), comm=comm, ts_ns=e.ts_ns
+        )
+    if e.type == _EV_EXIT:
+        return ProcessExited(tgid=e.pid, comm=comm, ts_ns=e.ts_ns)
+    if e.type == _EV_RENAME:
+        return ProcessRenamed(tgid=e.tgid, tid=e.aux, new_comm=_text(e.name), ts_ns=e.ts_ns)
+    raise ValueError(f"unknown event type {e.type}")
+
+
+def kernel_dev(st_dev: int) -> int:
+    """The kernel's internal dev_t (MKDEV: major << 20 | minor) for a ``stat`` st_dev."""
+    return (os.major(st_dev) << 20) | os.minor(st_dev)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProbeOptions:
+    features: frozenset[str] = frozenset(FEATURES)
+    max_watched: int = 4096
+    max_kv_inodes: int = 65536
+    max_evicted: int = 131072
+    max_tiers: int = 64
+    ringbuf_pages: int = 64
+
+
+class MemoryProbes:
+    """The kernel-memory family: one BPF program, many tracepoints."""
+
+    family = FAMILY
+
+    def __init__(
+        self,
+        options: MemoryProbeOptions | None = None,
+        *,
+        tracefs_root: Path | None = None,
+        program_factory: Callable[[Path, list[str]], Program] = Program,
+    ) -> None:
+        self.options = options or MemoryProbeOptions()
+        self._tracefs_root = tracefs_root
+        self._program_factory = program_factory
+        self._prog: Program | None = None
+        self._statuses: dict[str, HookStatus] = {}
+        self._batch = EventBatch()
+        self._kv_inodes = 0
+
+    # --- lifecycle -------------------------------------------------------------------
+    def plan(self) -> tuple[list[Hook], dict[str, HookStatus]]:
+        """Which hooks to compile in, and the status of those left out."""
+        chosen: list[Hook] = []
+        left_out: dict[str, HookStatus] = {}
+        for h in HOOKS:
+            if h.feature not in self.options.features:
+                left_out[h.name] = HookStatus(
+                    h.name, FAMILY, h.tracepoint, HookState.DISABLED, "off in config", h.required
+                )
+            elif not tracefs.tracepoint_exists(h.tracepoint, self._tracefs_root):
+                left_out[h.name] = HookStatus(
+                    h.name,
+                    FAMILY,
+                    h.tracepoint,
+                    HookState.MISSING,
+                    "tracepoint not present on this kernel",
+                    h.required,
+                )
+            else:
+                chosen.append(h)
+        return chosen, left_out
+
+    def cflags(self, hooks: Iterable[Hook]) -> list[str]:
+        o = self.options
+        flags = [
+            f"-DKVW_NR_HITS={len(HOOKS)}",
+            f"-DKVW_NR_LOST={len(LOST_SOURCES)}",
+            f"-DMAX_WATCHED={o.max_watched}",
+            f"-DMAX_KV_INODES={o.max_kv_inodes}",
+            f"-DMAX_EVICTED={o.max_evicted}",
+            f"-DMAX_TIERS={o.max_tiers}",
+            f"-DRINGBUF_PAGES={o.ringbuf_pages}",
+            f"-DKVW_EV_OOM={_EV_OOM}",
+            f"-DKVW_EV_FORK={_EV_FORK}",
+            f"-DKVW_EV_EXEC={_EV_EXEC}",
+            f"-DKVW_EV_EXIT={_EV_EXIT}",
+            f"-DKVW_EV_RENAME={_EV_RENAME}",
+        ]
+        flags += [f"-DKVW_HIT_{h.name.upper()}={i}" for i, h in enumerate(HOOKS)]
+        flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(LOST_SOURCES)]
+        flags += [f"-DKVW_HOOK_{h.name.upper()}" for h in hooks]
+        return flags
+
+    def start(self) -> list[HookStatus]:
+        """Compile, load and attach. Raises ``ProbeCompileError``; per-hook failures are statuses."""
+        hooks, statuses = self.plan()
+        prog = self._program_factory(SOURCE, self.cflags(hooks))
+        self._prog = prog
+        for h in hooks:
+            try:
+                prog.attach_tracepoint(h.name, h.tracepoint, h.fn)
+            except ProbeAttachError as err:
+                statuses[h.name] = HookStatus(
+                    h.name, FAMILY, h.tracepoint, HookState.FAILED, err.reason, h.required
+                )
+            else:
+                statuses[h.name] = HookStatus(
+                    h.name, FAMILY, h.tracepoint, HookState.ATTACHED, "", h.required
+                )
+        prog.open_ring_buffer("events", self._on_event)
+        self._statuses = {h.name: statuses[h.name] for h in HOOKS}
+        return list(self._statuses.values())
+
+    @property
+    def statuses(self) -> list[HookStatus]:
+        return list(self._statuses.values())
+
+    @property
+    def program(self) -> Program:
+        if self._prog is None:
+            raise RuntimeError("memory probes not started")
+        return self._prog
+
+    def close(self) -> None:
+        if self._prog is not None:
+            self._prog.close()
+            self._prog = None
+
+    # --- watched processes -----------------------------------------------------------
+    def watch(self, tgid: int, root_tgid: int | None = None) -> bool:
+        """Add a TGID to the in-kernel filter. False when the map is full."""
+        t = self.program.table("watched")
+        try:
+            t[t.Key(tgid)] = t.Leaf(root_tgid if root_tgid is not None else tgid, 0)
+        except Exception:  # bcc raises bare Exception("Could not update table")
+            return False
+        return True
+
+    def unwatch(self, tgid: int) -> None:
+        for name in ("watched", "proc_stats"):
+            t = self.program.table(name)
+            with contextlib.suppress(KeyError):
+                del t[t.Key(tgid)]
+
+    def watched(self) -> dict[int, int]:
+        """TGID → root TGID, as the kernel holds it (children added by fork included)."""
+        t = self.program.table("watched")
+        return {int(k.value): int(v.root_tgid) for k, v in t.items()}
+
+    # --- KV-tier inodes ---------------------------------------------------------------
+    def set_kv_inode(self, dev: int, ino: int, tier_id: int) -> bool:
+        t = self.program.table("kv_inodes")
+        try:
+            t[t.Key(ino, dev, 0)] = t.Leaf(tier_id, 0)
+        except Exception:  # map full
+            return False
+        return True
+
+    def remove_kv_inode(self, dev: int, ino: int) -> None:
+        t = self.program.table("kv_inodes")
+        with contextlib.suppress(KeyError):
+            del t[t.Key(ino, dev, 0)]
+
+    def kv_inodes(self) -> set[tuple[int, int]]:
+        t = self.program.table("kv_inodes")
+        return {(int(k.dev), int(k.ino)) for k in t}
+
+    def learn_device(self, directory: Path) -> int | None:
+        """The s_dev the kernel reports for files in ``directory``, from a canary write.
+
+        None when the canary could not run (read-only directory, a filesystem that
+        bypasses the generic page cache); the caller then falls back to MKDEV(st_dev).
+        """
+        prog = self.program
+        on, devs = prog.table("canary_on"), prog.table("canary_dev")
+        fd = -1
+        path = directory / f".kvwatch-canary-{os.getpid()}"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            ino = os.fstat(fd).st_ino
+            devs[devs.Key(ino)] = devs.Leaf(0)
+            on[on.Key(0)] = on.Leaf(1)
+            os.write(fd, b"kvwatch device canary\n")
+            value = int(devs[devs.Key(ino)].value)
+        except (OSError, KeyError):
+            return None
+        finally:
+            on[on.Key(0)] = on.Leaf(0)
+            if fd >= 0:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            for k in list(devs.keys()):
+                with contextlib.suppress(KeyError):
+                    del devs[k]
+        return value or None
+
+    # --- reading -------------------------------------------------------------------------
+    def _on_event(self, data: bytes) -> None:
+        try:
+            self._batch.events.append(decode_event(data))
+        except ValueError:
+            self._batch.malformed += 1
+
+    def poll(self, timeout_ms: int) -> None:
+        self.program.poll(timeout_ms)
+
+    def pending(self) -> list[MemoryEvent]:
+        """Events received and not yet taken (read-only view)."""
+        return list(self._batch.events)
+
+    def take_events(self) -> EventBatch:
+        batch, self._batch = self._batch, EventBatch()
+        return batch
+
+    def sample(self) -> MemorySample:
+        prog = self.program
+        procs: dict[int, ProcessMemoryCounters] = {}
+        for k, values in prog.table("proc_stats").items():
+            tgid = int(k.value)
+            procs[tgid] = ProcessMemoryCounters(tgid, **percpu_sum(values, _PROC_FIELDS))
+        tiers: dict[int, TierCounters] = {}
+        tier_table = prog.table("tier_stats")
+        for i in range(self.options.max_tiers):
+            sums = percpu_sum(tier_table[tier_table.Key(i)], _TIER_FIELDS)
+            if any(sums.values()):
+                tiers[i] = TierCounters(i, **sums)
+        return MemorySample(
+            monotonic_ns=time.monotonic_ns(),
+            processes=procs,
+            tiers=tiers,
+            hits=_percpu_array(prog, "hits", [h.name for h in HOOKS]),
+            lost=_percpu_array(prog, "lost", list(LOST_SOURCES)),
+        )
+
+    def ebpf_text(self) -> str:
+        hooks, _ = self.plan()
+        flags = " ".join(self.cflags(hooks))
+        return f"// cflags: {flags}\n" + program_text(SOURCE)
+
+
+def _percpu_array(prog: Program, name: str, labels: list[str]) -> dict[str, int]:
+    t = prog.table(name)
+    return {label: sum(int(v) for v in t[t.Key(i)]) for i, label in enumerate(labels)}

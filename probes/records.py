@@ -1,0 +1,122 @@
+"""Typed records the probe loaders hand to the daemon.
+
+Counters are cumulative since the probe was loaded (never read-and-clear: two
+readers can never split a count); the correlator turns them into rates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class HookState(Enum):
+    ATTACHED = "attached"
+    DISABLED = "disabled"  # switched off in config
+    MISSING = "missing"  # the kernel lacks the tracepoint / the library lacks the symbol
+    FAILED = "failed"  # the kernel refused it
+
+
+@dataclass(frozen=True, slots=True)
+class HookStatus:
+    """One hook (tracepoint or uprobe) of a probe family."""
+
+    name: str
+    family: str
+    target: str
+    state: HookState
+    reason: str = ""
+    required: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessMemoryCounters:
+    """Kernel-memory counters of one watched TGID."""
+
+    tgid: int
+    page_free_pages: int = 0
+    direct_reclaim_ns: int = 0
+    direct_reclaim_count: int = 0
+    memcg_reclaim_ns: int = 0
+    memcg_reclaim_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounters:
+    """Page-cache counters of one KV tier (a set of directories)."""
+
+    tier_id: int
+    reclaim_pages: int = 0
+    policy_pages: int = 0
+    added_pages: int = 0
+    refault_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySample:
+    """Everything the kernel-memory family counted, read at ``monotonic_ns``."""
+
+    monotonic_ns: int
+    processes: dict[int, ProcessMemoryCounters]
+    tiers: dict[int, TierCounters]
+    hits: dict[str, int]
+    lost: dict[str, int]
+
+
+# --- rare events (ring buffer) ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OomKill:
+    victim_pid: int
+    victim_comm: str
+    watched: bool
+    total_vm_pages: int
+    anon_rss_pages: int
+    file_rss_pages: int
+    shmem_rss_pages: int
+    killer_tgid: int
+    ts_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessForked:
+    parent_tgid: int
+    child_pid: int
+    comm: str
+    ts_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessExec:
+    pid: int
+    old_pid: int
+    filename: str
+    comm: str
+    ts_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessExited:
+    tgid: int
+    comm: str
+    ts_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRenamed:
+    tgid: int
+    tid: int
+    new_comm: str
+    ts_ns: int
+
+
+MemoryEvent = OomKill | ProcessForked | ProcessExec | ProcessExited | ProcessRenamed
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """Events drained from the ring buffer since the last tick, plus decode failures."""
+
+    events: list[MemoryEvent] = field(default_factory=list)
+    malformed: int = 0
