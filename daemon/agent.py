@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import structlog
-
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.base import Finding, Subject
@@ -21,7 +20,7 @@ from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.probe_down import ProbeDown
 from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.kvtiers import KVTierRegistry
+from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.nvml import Nvml
 from kvwatch.daemon.procfs import ProcError, ProcFS
@@ -53,8 +52,14 @@ PROCESS_TOTALS = (
     "memcg_reclaim_seconds",
     "memcg_reclaim_count",
 )
-TIER_TOTALS = ("reclaim_bytes", "policy_bytes", "reclaim_pages", "policy_pages", "refault_pages", "added_pages")
-OOM_LABELS = ("engine", "role", "container", "pod")
+TIER_TOTALS = (
+    "reclaim_bytes",
+    "policy_bytes",
+    "reclaim_pages",
+    "policy_pages",
+    "refault_pages",
+    "added_pages",
+)
 
 
 def process_labels(t: Tracked) -> dict[str, str]:
@@ -268,13 +273,13 @@ class Agent:
                 victim_pid=ev.victim_pid,
                 victim_comm=ev.victim_comm,
                 sibling_of=sibling_of,
-                anon_rss_bytes=ev.anon_rss_pages * PAGE_SIZE,
-                file_rss_bytes=ev.file_rss_pages * PAGE_SIZE,
+                anon_rss_bytes=ev.anon_rss_kb * 1024,
+                file_rss_bytes=ev.file_rss_kb * 1024,
                 at=now,
             )
         )
-        k = tuple(labels[n] for n in OOM_LABELS)
-        self.oom_kills[k] = self.oom_kills.get(k, 0) + 1  # type: ignore[index]
+        k = (labels["engine"], labels["role"], labels["container"], labels["pod"])
+        self.oom_kills[k] = self.oom_kills.get(k, 0) + 1
         if victim is not None and not sibling_of:
             self.tracker.on_exit(victim.pid)
 
@@ -342,6 +347,19 @@ class Agent:
             self.tier_first_seen.setdefault(tier_id, now)
             series.add(now, pages)
 
+    def _tier_owners(self, tier: Tier) -> list[Tracked]:
+        """Processes a tier belongs to: named by their environment or config, or seen
+        (by the kernel) bringing the tier's pages into the page cache."""
+        readers = self._sample.tier_readers if self._sample else {}
+        config_pids = {
+            d.owner_pid for d in self.config.kv_tiers.dirs if d.owner_pid and str(d.path) == str(tier.path)
+        }
+        out = []
+        for t in self.tracker.tracked():
+            if t.proc.identity in tier.owners or (t.pid, tier.tier_id) in readers or t.pid in config_pids:
+                out.append(t)
+        return out
+
     # --- detection ------------------------------------------------------------------------------
     def _process_window(self, t: Tracked, now: float) -> ProcessWindow:
         return ProcessWindow(
@@ -356,14 +374,13 @@ class Agent:
 
     def _detect(self, now: float) -> list[Finding]:
         procs = {t.key: self._process_window(t, now) for t in self.tracker.tracked()}
-        by_identity = {t.proc.identity: procs[t.key] for t in self.tracker.tracked()}
         tiers: dict[str, TierWindow] = {}
         if self.tiers is not None:
             for tier in self.tiers.tiers.values():
                 series = self.tier_series.get(tier.tier_id)
                 if series is None:
                     continue
-                owners = tuple(by_identity[o] for o in tier.owners if o in by_identity)
+                owners = tuple(procs[t.key] for t in self._tier_owners(tier))
                 labels = {"tier": tier.name}
                 if owners:
                     labels.update(owners[0].subject.labels)
@@ -413,7 +430,9 @@ class Agent:
                 source=t.proc.source,
                 alive=t.exited_at is None,
                 totals=dict(t.totals),
-                rates=t.series.rates(("page_free_pages", "direct_reclaim_seconds", "memcg_reclaim_seconds"), RATE_WINDOW),
+                rates=t.series.rates(
+                    ("page_free_pages", "direct_reclaim_seconds", "memcg_reclaim_seconds"), RATE_WINDOW
+                ),
                 gpu_used_bytes=gpu.get(t.pid),
             )
             for t in self.tracker.tracked()
@@ -429,7 +448,7 @@ class Agent:
                         name=tier.name,
                         path=str(tier.path),
                         source=tier.source,
-                        owners=tuple(sorted(o.pid for o in tier.owners)),
+                        owners=tuple(sorted(t.pid for t in self._tier_owners(tier))),
                         files=len(tier.files),
                         totals={n: series.last(n) for n in TIER_TOTALS},
                         rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
@@ -456,7 +475,9 @@ class Agent:
             alerts_fired=dict(self.alerts.fired),
             oom_kills=dict(self.oom_kills),
             probes=tuple(
-                ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
+                ProbeView(
+                    s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason
+                )
                 for s in self.statuses
             ),
             lost=lost,

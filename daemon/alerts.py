@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import structlog
-
 from kvwatch.daemon.detectors.base import Finding
 
 log = structlog.get_logger("kvwatch.alerts")

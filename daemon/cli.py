@@ -14,7 +14,6 @@ from types import FrameType
 from typing import Any
 
 import structlog
-
 from kvwatch.daemon import logs
 from kvwatch.daemon.config import Config, ConfigError, load_config, parse_listen
 
@@ -44,8 +43,12 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML config file (default /etc/kvwatch/kvwatch.toml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="set any config key")
     p.add_argument("--log-format", choices=["auto", "json", "console"], help="log output format")
-    p.add_argument("--pid", action="append", type=int, default=[], help="watch this process by hand (repeatable)")
-    p.add_argument("--kv-dir", action="append", type=Path, default=[], help="a KV-tier directory (repeatable)")
+    p.add_argument(
+        "--pid", action="append", type=int, default=[], help="watch this process by hand (repeatable)"
+    )
+    p.add_argument(
+        "--kv-dir", action="append", type=Path, default=[], help="a KV-tier directory (repeatable)"
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
-        "run", help="the daemon (foreground)", epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        "run",
+        help="the daemon (foreground)",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_flags(run)
     run.add_argument("--listen", metavar="HOST:PORT", help="address for /metrics, /healthz, /readyz")
@@ -85,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check prerequisites and run a canary per probe")
     _add_config_flags(doctor)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument("--no-oom-canary", action="store_true", help="skip the OOM canary (kills its own child)")
+    doctor.add_argument(
+        "--no-oom-canary", action="store_true", help="skip the OOM canary (kills its own child)"
+    )
 
     demo = sub.add_parser("demo", help="reproduce each failure mode with the daemon watching")
     _add_config_flags(demo)
@@ -128,7 +136,9 @@ class Daemon:
         self.config = config
         self.stop = threading.Event()
         self.agent = build_agent(config, sinks=sinks)
-        collector = SnapshotCollector(lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version())
+        collector = SnapshotCollector(
+            lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version()
+        )
         host, port = parse_listen(config.daemon.listen)
         self.server = MetricsServer(
             host,

@@ -199,8 +199,7 @@ class Discovery:
             role=role or disagg_role(text) or (parent.labels.role if parent else ""),
             component=component_of(info.comm, text) or ("child" if parent else ""),
             container=cg.container_id or (parent.labels.container if parent else ""),
-            pod=(env.get("HOSTNAME", "") if cg.pod_uid else "")
-            or (parent.labels.pod if parent else ""),
+            pod=(env.get("HOSTNAME", "") if cg.pod_uid else "") or (parent.labels.pod if parent else ""),
         )
         return DiscoveredProcess(
             identity=info.identity,

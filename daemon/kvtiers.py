@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Protocol
 
 import structlog
-
 from kvwatch.daemon.config import KVTiersConfig
 from kvwatch.daemon.discovery import DiscoveredProcess
 from kvwatch.daemon.procfs import ProcessIdentity
@@ -113,8 +112,7 @@ def specs_from_process(p: DiscoveredProcess, proc_root: Path) -> list[TierSpec]:
         TierSpec(inside(d), f"lmcache:{d}", "lmcache", p.identity) for d in lmcache_dirs(p.environ, read)
     ]
     specs += [
-        TierSpec(inside(d), f"hicache:{d}", "hicache", p.identity)
-        for d in hicache_dirs(p.environ, p.cmdline)
+        TierSpec(inside(d), f"hicache:{d}", "hicache", p.identity) for d in hicache_dirs(p.environ, p.cmdline)
     ]
     return specs
 
@@ -144,9 +142,7 @@ class KVTierRegistry:
 
     # --- which tiers -----------------------------------------------------------------
     def config_specs(self) -> list[TierSpec]:
-        return [
-            TierSpec(d.path, d.name or str(d.path), "config", None) for d in self.config.dirs
-        ]
+        return [TierSpec(d.path, d.name or str(d.path), "config", None) for d in self.config.dirs]
 
     def sync(self, processes: Iterable[DiscoveredProcess]) -> None:
         """Make the tier set match config + the environments of the watched processes."""
@@ -177,9 +173,7 @@ class KVTierRegistry:
     def _kernel_dev(self, st_dev: int, directory: Path) -> int:
         if st_dev not in self._dev_cache:
             learned = self.sink.learn_device(directory)
-            self._dev_cache[st_dev] = (
-                learned if learned else (os.major(st_dev) << 20) | os.minor(st_dev)
-            )
+            self._dev_cache[st_dev] = learned if learned else (os.major(st_dev) << 20) | os.minor(st_dev)
         return self._dev_cache[st_dev]
 
     def _add_file(self, tier: Tier, path: str, st: os.stat_result) -> None:

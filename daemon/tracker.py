@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
-
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
-from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcessIdentity, ProcFS
+from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.series import SeriesSet
 
 log = structlog.get_logger("kvwatch.tracker")
@@ -227,7 +226,10 @@ class ProcessTracker:
             return
         parent = self.by_pid.get(info.ppid) if t.proc.source == "child" else None
         fresh = self.discovery.describe(
-            info, t.proc.labels.engine, t.proc.source, role=t.proc.labels.role or None,
+            info,
+            t.proc.labels.engine,
+            t.proc.source,
+            role=t.proc.labels.role or None,
             parent=parent.proc if parent else None,
         )
         if fresh.labels != t.proc.labels:

@@ -9,31 +9,36 @@ from __future__ import annotations
 import json
 import ssl
 import threading
+from dataclasses import dataclass
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import structlog
+from kvwatch.daemon.snapshot import Snapshot
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
-
-from kvwatch.daemon.snapshot import Snapshot
 
 log = structlog.get_logger("kvwatch.http")
 
 STALE_AFTER_TICKS = 30  # /healthz turns 503 when the loop stops publishing for this long
 
 
+@dataclass(frozen=True, slots=True)
+class _Context:
+    registry: CollectorRegistry
+    get_snapshot: Callable[[], Snapshot]
+    tick_seconds: float
+    clock: Callable[[], float]
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "kvwatch"
     sys_version = ""
-    registry: ClassVar[CollectorRegistry]
-    get_snapshot: ClassVar[Callable[[], Snapshot]]
-    tick_seconds: ClassVar[float]
-    clock: ClassVar[Callable[[], float]]
+    ctx: ClassVar[_Context]
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("http", client=self.client_address[0], request=format % args)
 
     def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
@@ -48,16 +53,16 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._send(200, encoder(self.registry), content_type)
+            self._send(200, encoder(self.ctx.registry), content_type)
         elif path == "/healthz":
-            s = self.get_snapshot()
-            stale = s.wall_time and self.clock() - s.wall_time > STALE_AFTER_TICKS * self.tick_seconds
+            s = self.ctx.get_snapshot()
+            stale = s.wall_time and self.ctx.clock() - s.wall_time > STALE_AFTER_TICKS * self.ctx.tick_seconds
             if stale:
                 self._send(503, b"loop stalled\n")
             else:
                 self._send(200, b"ok\n")
         elif path == "/readyz":
-            s = self.get_snapshot()
+            s = self.ctx.get_snapshot()
             body = json.dumps({"ready": s.ready, "reasons": list(s.not_ready_reasons)}).encode() + b"\n"
             self._send(200 if s.ready else 503, body, "application/json")
         elif path == "/":
@@ -89,12 +94,7 @@ class MetricsServer:
         handler = type(
             "KvwatchHandler",
             (_Handler,),
-            {
-                "registry": registry,
-                "get_snapshot": staticmethod(get_snapshot),
-                "tick_seconds": tick_seconds,
-                "clock": staticmethod(clock),
-            },
+            {"ctx": _Context(registry, get_snapshot, tick_seconds, clock)},
         )
         ThreadingHTTPServer.allow_reuse_address = True
         self.httpd = ThreadingHTTPServer((host, port), handler)

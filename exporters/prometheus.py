@@ -11,6 +11,8 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Mapping
 
+from kvwatch.daemon.alerts import ALERT_NAMES
+from kvwatch.daemon.snapshot import Snapshot
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
@@ -19,9 +21,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
-
-from kvwatch.daemon.alerts import ALERT_NAMES
-from kvwatch.daemon.snapshot import Snapshot
 
 PROCESS_LABELS = ("pid", "engine", "role", "component", "container", "pod")
 ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe")
@@ -64,7 +63,9 @@ class SnapshotCollector(Collector):
         ready = GaugeMetricFamily("kvwatch_ready", "1 when every probe the config asks for is attached")
         ready.add_metric([], 1 if s.ready else 0)
         yield ready
-        age = GaugeMetricFamily("kvwatch_snapshot_age_seconds", "seconds since the loop published the data served")
+        age = GaugeMetricFamily(
+            "kvwatch_snapshot_age_seconds", "seconds since the loop published the data served"
+        )
         age.add_metric([], max(0.0, self.clock() - s.wall_time) if s.wall_time else 0.0)
         yield age
         loop = GaugeMetricFamily("kvwatch_loop_duration_seconds", "duration of the last loop tick")
@@ -72,7 +73,9 @@ class SnapshotCollector(Collector):
         yield loop
 
         attached = GaugeMetricFamily(
-            "kvwatch_probe_attached", "1 attached, 0 not (state says why)", labels=["probe", "family", "state"]
+            "kvwatch_probe_attached",
+            "1 attached, 0 not (state says why)",
+            labels=["probe", "family", "state"],
         )
         hits = CounterMetricFamily("kvwatch_probe_hits", "times the probe fired", labels=["probe", "family"])
         for p in s.probes:
@@ -82,12 +85,16 @@ class SnapshotCollector(Collector):
         yield hits
 
         lost = CounterMetricFamily(
-            "kvwatch_events_lost", "events dropped anywhere (ring buffer full, map full, queue full)", labels=["source"]
+            "kvwatch_events_lost",
+            "events dropped anywhere (ring buffer full, map full, queue full)",
+            labels=["source"],
         )
         for source, n in sorted(s.lost.items()):
             lost.add_metric([source], n)
         yield lost
-        errors = CounterMetricFamily("kvwatch_errors", "errors counted by the daemon, by kind", labels=["kind"])
+        errors = CounterMetricFamily(
+            "kvwatch_errors", "errors counted by the daemon, by kind", labels=["kind"]
+        )
         for kind, n in sorted(s.errors.items()):
             errors.add_metric([kind], n)
         yield errors
@@ -107,7 +114,9 @@ class SnapshotCollector(Collector):
         yield from self._process_families(s)
         yield from self._tier_families(s)
 
-        oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
+        oom = CounterMetricFamily(
+            "kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS)
+        )
         for key, n in sorted(s.oom_kills.items()):
             oom.add_metric(list(key), n)
         yield oom
@@ -116,7 +125,12 @@ class SnapshotCollector(Collector):
             "kvwatch_alert_active", "1 while a detector's alert is firing", labels=list(ALERT_LABELS)
         )
         for a in s.alerts:
-            active.add_metric(_values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS), 1)
+            active.add_metric(
+                _values(
+                    {"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS
+                ),
+                1,
+            )
         yield active
         fired = CounterMetricFamily("kvwatch_alerts_fired", "alert onsets", labels=["alert"])
         for name in sorted(set(ALERT_NAMES) | set(s.alerts_fired)):
@@ -124,7 +138,9 @@ class SnapshotCollector(Collector):
         yield fired
 
         if s.psi_memory_some_avg10 is not None:
-            psi = GaugeMetricFamily("kvwatch_memory_pressure_some_avg10", "node memory PSI 'some' avg10 (percent)")
+            psi = GaugeMetricFamily(
+                "kvwatch_memory_pressure_some_avg10", "node memory PSI 'some' avg10 (percent)"
+            )
             psi.add_metric([], s.psi_memory_some_avg10)
             yield psi
 
@@ -139,7 +155,9 @@ class SnapshotCollector(Collector):
             labels=[*labels, "scope"],
         )
         stalls = CounterMetricFamily(
-            "kvwatch_direct_reclaim_stalls", "direct reclaim episodes of a watched process", labels=[*labels, "scope"]
+            "kvwatch_direct_reclaim_stalls",
+            "direct reclaim episodes of a watched process",
+            labels=[*labels, "scope"],
         )
         gpu = GaugeMetricFamily(
             "kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels
@@ -165,9 +183,13 @@ class SnapshotCollector(Collector):
             labels=["tier", "cause"],
         )
         refault = CounterMetricFamily(
-            "kvwatch_pagecache_refault_pages", "KV-tier file pages read back after reclaim evicted them", labels=["tier"]
+            "kvwatch_pagecache_refault_pages",
+            "KV-tier file pages read back after reclaim evicted them",
+            labels=["tier"],
         )
-        files = GaugeMetricFamily("kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"])
+        files = GaugeMetricFamily(
+            "kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"]
+        )
         for t in s.tiers:
             evicted.add_metric([t.name, "reclaim"], t.totals.get("reclaim_bytes", 0.0))
             evicted.add_metric([t.name, "policy"], t.totals.get("policy_bytes", 0.0))

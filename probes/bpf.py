@@ -60,10 +60,7 @@ def program_text(source: Path) -> str:
     family's own ``#include "common.h"`` then hits the include guard.
     """
     common = PROBES_DIR / "common.h"
-    return (
-        f'#line 1 "{common.name}"\n{common.read_text()}\n'
-        f'#line 1 "{source.name}"\n{source.read_text()}'
-    )
+    return f'#line 1 "{common.name}"\n{common.read_text()}\n#line 1 "{source.name}"\n{source.read_text()}'
 
 
 class Program:

@@ -8,7 +8,7 @@
  *                                           reclaim (kswapd, or the task is inside a direct/memcg reclaim
  *                                           window) or policy (unlink, truncate, fadvise, drop_caches).
  *   filemap:mm_filemap_add_to_page_cache    KV-tier file pages coming back; a refault when the same
- *                                           (dev, ino, index) was evicted by reclaim before.
+ *                                           (dev, ino, 16-page granule) was evicted by reclaim before.
  *   vmscan:mm_vmscan_{direct,memcg}_reclaim_{begin,end}
  *                                           reclaim windows per thread (all tasks: they classify evictions),
  *                                           stall time per watched TGID.
@@ -89,6 +89,14 @@ struct tier_stats_t {
 };
 BPF_PERCPU_ARRAY(tier_stats, struct tier_stats_t, MAX_TIERS);
 
+/* Which watched processes bring a tier's pages in (read or write its files): the
+ * tier's owners, whose reclaim stalls count as the tier's pain. */
+struct tier_reader_t {
+    u32 tgid;
+    u32 tier;
+};
+BPF_HASH(tier_readers, struct tier_reader_t, u64, 1024);
+
 /* ---- kernel-private state ----------------------------------------------------------- */
 
 #define RECLAIM_DIRECT 1
@@ -101,9 +109,14 @@ struct reclaim_window_t {
 /* LRU: a begin whose end we never saw must not pin a slot forever. */
 BPF_TABLE("lru_hash", u32, struct reclaim_window_t, reclaim_window, 16384);
 
+/* Pages evicted by reclaim, remembered per 16-page granule of a file (large folios
+ * come back at other sizes and alignments than they left with). A page-cache add
+ * whose first granule is here is a refault. LRU: the oldest evictions age out. */
+#define GRANULE_SHIFT 4
+#define MAX_GRANULES_PER_FOLIO 32   /* order-9 folio = 512 pages = 32 granules */
 struct evicted_key_t {
     u64 ino;
-    u64 index;
+    u64 granule;
     u32 dev;
     u32 pad;
 };
@@ -117,10 +130,10 @@ struct kvw_event_t {
     u32 tgid;           /* current task's TGID when the hook ran */
     u32 aux;            /* parent/old pid; watched flag for OOM */
     u64 ts_ns;
-    u64 a;              /* OOM: total_vm pages; newtask: clone flags */
-    u64 b;              /* OOM: anon_rss pages */
-    u64 c;              /* OOM: file_rss pages */
-    u64 d;              /* OOM: shmem_rss pages */
+    u64 a;              /* OOM: total_vm (kB); newtask: clone flags */
+    u64 b;              /* OOM: anon_rss (kB) */
+    u64 c;              /* OOM: file_rss (kB) */
+    u64 d;              /* OOM: shmem_rss (kB) */
     char comm[KVW_COMM_LEN];
     char name[64];      /* exec filename, renamed comm */
 };
@@ -185,16 +198,29 @@ int kvw_pagecache_delete(struct tracepoint__filemap__mm_filemap_delete_from_page
         return 0;
     u64 pages = 1ULL << args->order;
     u32 tid = kvw_tid();
+    struct evicted_key_t ek = {};
+    ek.ino = args->i_ino;
+    ek.dev = args->s_dev;
+    u64 first = args->index >> GRANULE_SHIFT;
+    u64 last = (args->index + pages - 1) >> GRANULE_SHIFT;
     if (kvw_is_kswapd() || reclaim_window.lookup(&tid)) {
         ts->reclaim_pages += pages;
-        struct evicted_key_t ek = {};
-        ek.ino = args->i_ino;
-        ek.index = args->index;
-        ek.dev = args->s_dev;
         u8 one = 1;
-        evicted.update(&ek, &one);
+        for (int i = 0; i < MAX_GRANULES_PER_FOLIO; i++) {
+            if (first + i > last)
+                break;
+            ek.granule = first + i;
+            evicted.update(&ek, &one);
+        }
     } else {
         ts->policy_pages += pages;
+        /* deleted or truncated on purpose: what comes back later is new data, not a refault */
+        for (int i = 0; i < MAX_GRANULES_PER_FOLIO; i++) {
+            if (first + i > last)
+                break;
+            ek.granule = first + i;
+            evicted.delete(&ek);
+        }
     }
     return 0;
 }
@@ -224,14 +250,21 @@ int kvw_pagecache_add(struct tracepoint__filemap__mm_filemap_add_to_page_cache *
         return 0;
     u64 pages = 1ULL << args->order;
     ts->added_pages += pages;
+    struct tier_reader_t rk = {};
+    rk.tgid = kvw_tgid();
+    rk.tier = tier;
+    if (watched.lookup(&rk.tgid)) {
+        u64 zero = 0;
+        u64 *n = tier_readers.lookup_or_try_init(&rk, &zero);
+        if (n)
+            __sync_fetch_and_add(n, pages);
+    }
     struct evicted_key_t ek = {};
     ek.ino = args->i_ino;
-    ek.index = args->index;
+    ek.granule = args->index >> GRANULE_SHIFT;
     ek.dev = args->s_dev;
-    if (evicted.lookup(&ek)) {
+    if (evicted.lookup(&ek))
         ts->refault_pages += pages;
-        evicted.delete(&ek);
-    }
     return 0;
 }
 #endif

@@ -21,9 +21,9 @@ from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
 from kvwatch.probes.errors import ProbeAttachError
 from kvwatch.probes.records import (
     EventBatch,
-    MemoryEvent,
     HookState,
     HookStatus,
+    MemoryEvent,
     MemorySample,
     OomKill,
     ProcessExec,
@@ -122,19 +122,17 @@ def decode_event(data: bytes) -> OomKill | ProcessForked | ProcessExec | Process
             victim_pid=e.pid,
             victim_comm=_text(e.name),
             watched=bool(e.aux),
-            total_vm_pages=e.a,
-            anon_rss_pages=e.b,
-            file_rss_pages=e.c,
-            shmem_rss_pages=e.d,
+            total_vm_kb=e.a,
+            anon_rss_kb=e.b,
+            file_rss_kb=e.c,
+            shmem_rss_kb=e.d,
             killer_tgid=e.tgid,
             ts_ns=e.ts_ns,
         )
     if e.type == _EV_FORK:
         return ProcessForked(parent_tgid=e.aux, child_pid=e.pid, comm=comm, ts_ns=e.ts_ns)
     if e.type == _EV_EXEC:
-        return ProcessExec(
-            pid=e.pid, old_pid=e.aux, filename=_text(e.name), comm=comm, ts_ns=e.ts_ns
-        )
+        return ProcessExec(pid=e.pid, old_pid=e.aux, filename=_text(e.name), comm=comm, ts_ns=e.ts_ns)
     if e.type == _EV_EXIT:
         return ProcessExited(tgid=e.pid, comm=comm, ts_ns=e.ts_ns)
     if e.type == _EV_RENAME:
@@ -271,6 +269,10 @@ class MemoryProbes:
             t = self.program.table(name)
             with contextlib.suppress(KeyError):
                 del t[t.Key(tgid)]
+        readers = self.program.table("tier_readers")
+        for k in [k for k in readers.keys() if k.tgid == tgid]:
+            with contextlib.suppress(KeyError):
+                del readers[k]
 
     def watched(self) -> dict[int, int]:
         """TGID → root TGID, as the kernel holds it (children added by fork included)."""
@@ -355,10 +357,12 @@ class MemoryProbes:
             sums = percpu_sum(tier_table[tier_table.Key(i)], _TIER_FIELDS)
             if any(sums.values()):
                 tiers[i] = TierCounters(i, **sums)
+        readers = {(int(k.tgid), int(k.tier)): int(v.value) for k, v in prog.table("tier_readers").items()}
         return MemorySample(
             monotonic_ns=time.monotonic_ns(),
             processes=procs,
             tiers=tiers,
+            tier_readers=readers,
             hits=_percpu_array(prog, "hits", [h.name for h in HOOKS]),
             lost=_percpu_array(prog, "lost", list(LOST_SOURCES)),
         )

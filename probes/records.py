@@ -59,6 +59,7 @@ class MemorySample:
     monotonic_ns: int
     processes: dict[int, ProcessMemoryCounters]
     tiers: dict[int, TierCounters]
+    tier_readers: dict[tuple[int, int], int]  # (tgid, tier_id) → pages brought in
     hits: dict[str, int]
     lost: dict[str, int]
 
@@ -71,10 +72,10 @@ class OomKill:
     victim_pid: int
     victim_comm: str
     watched: bool
-    total_vm_pages: int
-    anon_rss_pages: int
-    file_rss_pages: int
-    shmem_rss_pages: int
+    total_vm_kb: int
+    anon_rss_kb: int  # the tracepoint reports kB
+    file_rss_kb: int
+    shmem_rss_kb: int
     killer_tgid: int
     ts_ns: int
 

@@ -97,7 +97,11 @@ class HostTierEviction:
                     st.cause = causes[0] if causes else "reclaim"
             else:
                 st.baseline.update(rate, view.now)
-            values = {**m, "baseline_bytes_per_second": st.baseline.value, "threshold_bytes_per_second": limit}
+            values = {
+                **m,
+                "baseline_bytes_per_second": st.baseline.value,
+                "threshold_bytes_per_second": limit,
+            }
             summary = (
                 f"KV tier {tier.subject.labels.get('tier', key)} losing "
                 f"{rate / MIB:.1f} MiB/s of page cache to reclaim "
