@@ -118,12 +118,13 @@ class KVTiersConfig(_Section):
 
 
 class ProbesConfig(_Section):
-    memory: list[Literal["page_free", "pagecache", "reclaim", "oom", "lifecycle"]] = [
+    memory: list[Literal["page_free", "pagecache", "reclaim", "oom", "lifecycle", "hints"]] = [
         "page_free",
         "pagecache",
         "reclaim",
         "oom",
         "lifecycle",
+        "hints",
     ]
     ringbuf_pages: Annotated[int, Field(ge=1)] = 64
     max_evicted_pages_tracked: Annotated[int, Field(ge=1024)] = 131072

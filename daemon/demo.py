@@ -26,7 +26,7 @@ from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.workloads import MIB, drop_file_cache, make_files
 
-DEMO_RULE = {"engine": "demo", "cmdline": r"kvwatch\.daemon\.workloads (engine|oom)\b"}
+DEMO_RULE = {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom)\b"}
 KV_FILES, KV_FILE_MB = 32, 16
 CGROUP_MB, SQUEEZE_MB = 768, 640
 

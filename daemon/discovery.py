@@ -23,25 +23,22 @@ from kvwatch.daemon.procfs import (
 )
 
 # engines.md: process titles, command lines, and the names worth recognising.
+# Command-line rules are anchored at the program (argv[0], or python -m MODULE):
+# a shell whose arguments merely mention "vllm serve" is not an engine.
+_PY_M = r"^(\S*/)?python[0-9.]*(\s+-\S+)*\s+-m\s+"
 DEFAULT_RULES: tuple[EngineRule, ...] = (
     EngineRule(engine="vllm", comm=r"^VLLM::"),
     EngineRule(engine="vllm", cmdline=r"^VLLM::"),
-    EngineRule(
-        engine="vllm",
-        cmdline=r"(^|[\s/])vllm\s+serve\b|\bvllm\.entrypoints\b|(^|\s)-m\s+vllm(\.|\s|$)",
-    ),
+    EngineRule(engine="vllm", cmdline=r"^(\S*/)?vllm\s+serve\b|" + _PY_M + r"vllm(\.entrypoints\S*)?(\s|$)"),
     EngineRule(engine="sglang", comm=r"^sglang::"),
     EngineRule(engine="sglang", cmdline=r"^sglang::"),
-    EngineRule(engine="sglang", cmdline=r"\bsglang\.launch_server\b|(^|[\s/])sglang\s+serve\b"),
-    EngineRule(engine="tgi", comm=r"^text-generation", role="router"),
-    EngineRule(
-        engine="tgi",
-        cmdline=r"(^|[\s/])text-generation-(router|server|launcher)\b",
-    ),
+    EngineRule(engine="sglang", cmdline=r"^(\S*/)?sglang\s+serve\b|" + _PY_M + r"sglang\.launch_server\b"),
+    EngineRule(engine="tgi", comm=r"^text-generation"),
+    EngineRule(engine="tgi", cmdline=r"^(\S*/)?text-generation-(router|server|launcher)\b"),
     EngineRule(engine="triton", comm=r"^tritonserver$"),
-    EngineRule(engine="lmdeploy", cmdline=r"(^|[\s/])lmdeploy\s+serve\b"),
-    EngineRule(engine="lmcache", cmdline=r"\blmcache[._a-z0-9]*\.server\b|(^|[\s/])lmcache_server\b"),
-    EngineRule(engine="dynamo", cmdline=r"(^|\s)-m\s+dynamo\.|(^|[\s/])dynamo-run\b"),
+    EngineRule(engine="lmdeploy", cmdline=r"^(\S*/)?lmdeploy\s+serve\b"),
+    EngineRule(engine="lmcache", cmdline=r"^(\S*/)?lmcache_server\b|" + _PY_M + r"lmcache[\w.]*\.server\b"),
+    EngineRule(engine="dynamo", cmdline=r"^(\S*/)?dynamo-run\b|" + _PY_M + r"dynamo\."),
 )
 
 # Component (which process of an engine) from titles and command lines.

@@ -132,14 +132,14 @@ class Program:
 
     # --- maps ----------------------------------------------------------------------
     def table(self, name: str) -> Table:
-        return self._bpf.get_table(name)
+        return self._bpf.get_table(name.encode())
 
     def open_ring_buffer(self, name: str, callback: Callable[[bytes], None]) -> None:
         def _cb(_ctx: Any, data: Any, size: int) -> int:
             callback(ctypes.string_at(data, size))
             return 0
 
-        self._bpf[name].open_ring_buffer(_cb)
+        self._bpf[name.encode()].open_ring_buffer(_cb)
 
     def poll(self, timeout_ms: int) -> None:
         """Drain ring buffers, waiting at most ``timeout_ms`` for the first record."""

@@ -37,7 +37,7 @@ from kvwatch.probes.records import (
 FAMILY = "memory"
 SOURCE = PROBES_DIR / "memory.bpf.c"
 
-FEATURES = ("page_free", "pagecache", "reclaim", "oom", "lifecycle")
+FEATURES = ("page_free", "pagecache", "reclaim", "oom", "lifecycle", "hints")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +63,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("memcg_reclaim_end", "vmscan:mm_vmscan_memcg_reclaim_end", "reclaim"),
     Hook("oom_victim", "oom:mark_victim", "oom"),
     Hook("task_newtask", "task:task_newtask", "lifecycle"),
-    Hook("process_exec", "sched:sched_process_exec", "lifecycle"),
     Hook("process_exit", "sched:sched_process_exit", "lifecycle"),
-    # a hint only: discovery rescans catch renames anyway
-    Hook("task_rename", "task:task_rename", "lifecycle", required=False),
+    # discovery hints for every process on the node (periodic rescans catch what they miss)
+    Hook("process_exec", "sched:sched_process_exec", "hints"),
+    Hook("task_rename", "task:task_rename", "hints", required=False),
 )
 
 # Loss sources counted in the kernel, in index order.

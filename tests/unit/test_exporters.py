@@ -1,0 +1,225 @@
+"""The Prometheus collector against a golden file, promtool, and the HTTP endpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from dataclasses import replace
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.snapshot import ProbeView, ProcessView, Snapshot, TierView
+from kvwatch.exporters.http import MetricsServer
+from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
+
+GOLDEN = Path(__file__).parent.parent / "fixtures" / "golden_metrics.txt"
+LABELS = {"engine": "vllm", "role": "decode", "component": "engine_core", "container": "abcdef012345", "pod": "vllm-0"}
+
+
+def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
+    return Snapshot(
+        wall_time=wall,
+        monotonic=50.0,
+        tick=42,
+        ready=True,
+        not_ready_reasons=(),
+        processes=(
+            ProcessView(
+                key="4242@77",
+                pid=4242,
+                labels={"pid": "4242", **LABELS},
+                source="rule",
+                alive=True,
+                totals={
+                    "page_free_pages": 2311.0,
+                    "direct_reclaim_seconds": 0.25,
+                    "direct_reclaim_count": 3.0,
+                    "memcg_reclaim_seconds": 1.5,
+                    "memcg_reclaim_count": 17.0,
+                },
+                rates={},
+                gpu_used_bytes=80 * 2**30,
+            ),
+            ProcessView(
+                key="4243@78",
+                pid=4243,
+                labels={"pid": "4243", "engine": 'we"ird\\name\n', "role": "", "component": "", "container": "", "pod": ""},
+                source="manual",
+                alive=True,
+                totals={"page_free_pages": 0.0},
+                rates={},
+            ),
+        ),
+        tiers=(
+            TierView(
+                key="tier:0",
+                tier_id=0,
+                name="lmcache:/mnt/nvme/kv",
+                path="/mnt/nvme/kv",
+                source="lmcache",
+                owners=(4242,),
+                files=123,
+                totals={"reclaim_bytes": 4096.0 * 1000, "policy_bytes": 4096.0 * 7, "refault_pages": 250.0},
+                rates={},
+            ),
+        ),
+        alerts=(
+            Alert(
+                alert="KVHostTierEvictionUnderPressure",
+                subject_key="tier:0",
+                labels={"tier": "lmcache:/mnt/nvme/kv", "pid": "4242", **LABELS},
+                cause="refault",
+                severity="warning",
+                started_at=990.0,
+                values={"evicted_bytes_per_second": 1e8},
+                summary="s",
+            ),
+        ),
+        alerts_fired={"KVHostTierEvictionUnderPressure": 1, "InferenceProcessOOMKilled": 2},
+        oom_kills={("vllm", "decode", "abcdef012345", "vllm-0"): 2},
+        probes=(
+            ProbeView("page_free", "memory", "kmem:mm_page_free", "attached", True, 123456),
+            ProbeView("oom_victim", "memory", "oom:mark_victim", "missing", True, 0, "not on this kernel"),
+        ),
+        lost={"ringbuf": 3, "proc_stats_full": 0},
+        errors={"tick_sample": 1},
+        watched_by_engine={"vllm": 1, 'we"ird\\name\n': 1},
+        label_overflow=0,
+        loop_seconds=0.002,
+        psi_memory_some_avg10=1.5,
+    )
+
+
+def render(s: Snapshot) -> str:
+    collector = SnapshotCollector(lambda: s, version="1.2.3", bcc_version="0.26.0", clock=lambda: 1001.0)
+    text = generate_latest(build_registry(collector, self_process=False)).decode()
+    return text.replace(f'kernel="{os.uname().release}"', 'kernel="KERNEL"')
+
+
+def test_golden_metrics() -> None:
+    text = render(fixture_snapshot())
+    if os.environ.get("KVWATCH_REGEN_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def test_contract_names_present() -> None:
+    names = {f.name for f in text_string_to_metric_families(render(fixture_snapshot()))}
+    for contract in (
+        "kvwatch_build_info",
+        "kvwatch_probe_attached",
+        "kvwatch_probe_hits",
+        "kvwatch_events_lost",
+        "kvwatch_watched_processes",
+        "kvwatch_page_free_pages",
+        "kvwatch_pagecache_evicted_bytes",
+        "kvwatch_direct_reclaim_seconds",
+        "kvwatch_oom_kills",
+        "kvwatch_alert_active",
+        "kvwatch_alerts_fired",
+    ):
+        assert contract in names, contract
+
+
+def test_parsed_values() -> None:
+    fams = {f.name: f for f in text_string_to_metric_families(render(fixture_snapshot()))}
+    (pf,) = [s for s in fams["kvwatch_page_free_pages"].samples if s.labels["pid"] == "4242"]
+    assert pf.value == 2311 and pf.labels["pod"] == "vllm-0"
+    ev = {s.labels["cause"]: s.value for s in fams["kvwatch_pagecache_evicted_bytes"].samples}
+    assert ev == {"reclaim": 4096000.0, "policy": 28672.0}
+    weird = [s for s in fams["kvwatch_watched_processes"].samples if s.labels["engine"].startswith("we")]
+    assert weird[0].labels["engine"] == 'we"ird\\name\n'  # escaped on the wire, intact after parsing
+    fired = {s.labels["alert"]: s.value for s in fams["kvwatch_alerts_fired"].samples}
+    assert fired["KVHostTierEvictionUnderPressure"] == 1 and fired["KVEvictionBurst"] == 0
+
+
+def test_exited_process_disappears() -> None:
+    s = fixture_snapshot()
+    assert 'pid="4243"' in render(s)
+    assert 'pid="4243"' not in render(replace(s, processes=s.processes[:1]))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("KVWATCH_CI"),
+                    reason="promtool not installed (deploy/setup.sh test installs it)")
+def test_promtool_check_metrics() -> None:
+    out = subprocess.run(["promtool", "check", "metrics"], input=GOLDEN.read_text(), capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- HTTP ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> MetricsServer:
+    state = {"snap": fixture_snapshot(wall=1000.0)}
+    collector = SnapshotCollector(lambda: state["snap"], clock=lambda: 1001.0)
+    srv = MetricsServer("127.0.0.1", 0, build_registry(collector), lambda: state["snap"], clock=lambda: 1001.0)
+    srv.state = state  # type: ignore[attr-defined]
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def get(srv: MetricsServer, path: str) -> tuple[int, str]:
+    host, port = srv.address
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_endpoints(server: MetricsServer) -> None:
+    code, body = get(server, "/metrics")
+    assert code == 200 and "kvwatch_page_free_pages_total" in body and "kvwatch_process_resident_memory_bytes" in body
+    assert get(server, "/healthz") == (200, "ok\n")
+    code, body = get(server, "/readyz")
+    assert code == 200 and json.loads(body)["ready"] is True
+    assert get(server, "/nope")[0] == 404
+    server.state["snap"] = Snapshot.empty("probes loading")  # type: ignore[attr-defined]
+    code, body = get(server, "/readyz")
+    assert code == 503 and json.loads(body)["reasons"] == ["probes loading"]
+
+
+def test_healthz_reports_stalled_loop(server: MetricsServer) -> None:
+    server.state["snap"] = replace(fixture_snapshot(), wall_time=1.0)  # type: ignore[attr-defined]
+    assert get(server, "/healthz")[0] == 503
+
+
+def test_garbage_requests_do_not_break_server(server: MetricsServer) -> None:
+    host, port = server.address
+    for payload in (b"\x00\xff garbage\r\n\r\n", b"GET /" + b"A" * 70000 + b" HTTP/1.1\r\n\r\n", b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", b""):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            s.recv(65536)
+    assert get(server, "/metrics")[0] == 200
+
+
+def test_concurrent_scrapes_agree(server: MetricsServer) -> None:
+    bodies: list[str] = []
+    lock = threading.Lock()
+
+    def scrape() -> None:
+        for _ in range(20):
+            _, body = get(server, "/metrics")
+            line = next(line for line in body.splitlines() if line.startswith("kvwatch_page_free_pages_total{") and "4242" in line)
+            with lock:
+                bodies.append(line)
+
+    threads = [threading.Thread(target=scrape) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(bodies) == 160 and len(set(bodies)) == 1
