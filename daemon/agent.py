@@ -28,6 +28,7 @@ from kvwatch.daemon.psi import PressureReader
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import ProbeView, ProcessView, Snapshot, TierView
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
+from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes
 from kvwatch.probes.records import (
@@ -161,6 +162,7 @@ class Agent:
             for st in self.statuses:
                 if st.state is not HookState.ATTACHED:
                     log.warning("probe not attached", probe=st.name, state=st.state.value, reason=st.reason)
+            release_compiler_memory()
         self.tick()
 
     @property

@@ -29,10 +29,21 @@ class CgroupIdentity:
     unified_path: str = ""  # the cgroup v2 path ("" when the host has no unified hierarchy)
 
 
+def _container_of(path: str) -> str:
+    m = _CONTAINER.search(path.rstrip("/"))
+    return (m.group(1) or m.group(2))[:12] if m else ""
+
+
+def _pod_of(path: str) -> str:
+    m = _POD_CGROUPFS.search(path)
+    if m:
+        return m.group(1)
+    m = _POD_SYSTEMD.search(path)
+    return m.group(1).replace("_", "-") if m else ""
+
+
 def parse_cgroup(lines: Iterable[str]) -> CgroupIdentity:
-    unified = ""
-    memory = ""
-    any_path = ""
+    unified = memory = any_path = ""
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -44,25 +55,9 @@ def parse_cgroup(lines: Iterable[str]) -> CgroupIdentity:
         if "memory" in controllers.split(","):
             memory = path
     chosen = unified or memory or any_path
-    container = ""
-    pod = ""
-    for path in (chosen, memory, unified, any_path):
-        if not path:
-            continue
-        if not container:
-            for segment in (path, path.rstrip("/")):
-                m = _CONTAINER.search(segment)
-                if m:
-                    container = (m.group(1) or m.group(2))[:12]
-                    break
-        if not pod:
-            m = _POD_CGROUPFS.search(path)
-            if m:
-                pod = m.group(1)
-            else:
-                m = _POD_SYSTEMD.search(path)
-                if m:
-                    pod = m.group(1).replace("_", "-")
+    candidates = [p for p in (chosen, memory, unified, any_path) if p]
+    container = next((c for c in map(_container_of, candidates) if c), "")
+    pod = next((p for p in map(_pod_of, candidates) if p), "")
     return CgroupIdentity(
         container_id=container,
         pod_uid=pod,

@@ -192,7 +192,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
     try:
         daemon = Daemon(config)
     except OSError as err:
-        log.error("cannot listen", listen=config.daemon.listen, error=str(err))
+        log.error("cannot listen", listen=config.daemon.listen, error=str(err))  # noqa: TRY400 - the message says it all
         return 1
     daemon.install_signal_handlers()
     daemon.serve()

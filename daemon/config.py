@@ -268,6 +268,7 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     sets: list[str] | None = None,
+    default_path: Path | None = DEFAULT_CONFIG_PATH,
 ) -> Config:
     """Build the configuration. ``path=None`` reads the default file if it exists.
 
@@ -280,8 +281,8 @@ def load_config(
     tree: dict[str, Any] = {}
 
     explicit = path is not None or "KVWATCH_CONFIG" in environ
-    file = path or Path(environ.get("KVWATCH_CONFIG", str(DEFAULT_CONFIG_PATH)))
-    if file.exists() or explicit:
+    file = path or (Path(environ["KVWATCH_CONFIG"]) if "KVWATCH_CONFIG" in environ else default_path)
+    if file is not None and (file.exists() or explicit):
         try:
             tree = tomllib.loads(file.read_text())
             _record_sources(tree, "", f"file {file}", sources)

@@ -12,10 +12,7 @@ Needs root (BPF, cgroups). Everything it creates is removed at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +21,7 @@ from pathlib import Path
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.daemon.workloads import MIB, drop_file_cache, make_files
+from kvwatch.daemon.workloads import MIB, Workload, drop_file_cache, make_files
 
 DEMO_RULE = {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom)\b"}
 KV_FILES, KV_FILE_MB = 32, 16
@@ -64,21 +61,10 @@ def _watching(pid: int) -> Callable[[Snapshot], bool]:
     return lambda s: any(p.pid == pid and p.alive for p in s.processes)
 
 
-def _engine(args: list[str], cg: MemoryCgroup) -> subprocess.Popen[str]:
-    child = subprocess.Popen(
-        [sys.executable, "-m", "kvwatch.daemon.workloads", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def _engine(args: list[str], cg: MemoryCgroup) -> Workload:
+    child = Workload(*args)
     cg.add(child.pid)
     return child
-
-
-def _send(child: subprocess.Popen[str], line: str) -> None:
-    assert child.stdin is not None
-    child.stdin.write(line + "\n")
-    child.stdin.flush()
 
 
 def scenario_host_tier(get: Callable[[], Snapshot], work: Path) -> bool:
@@ -106,29 +92,27 @@ def scenario_host_tier(get: Callable[[], Snapshot], work: Path) -> bool:
                 _say("the engine was not discovered")
                 return False
             _say(f"engine pid {child.pid} discovered; warming its tier (reads every file)")
-            _send(child, "warm")
-            assert child.stdout is not None
-            child.stdout.readline()
+            child.step("warm", "warm")
             time.sleep(3)
             _say(
-                f"squeezing: the engine allocates {SQUEEZE_MB} MiB in its {CGROUP_MB} MiB cgroup, re-reading hot files"
+                f"squeezing: the engine allocates {SQUEEZE_MB} MiB in its {CGROUP_MB} MiB cgroup"
+                " while it keeps serving from the tier"
             )
             t0 = time.monotonic()
-            _send(child, "squeeze")
+            child.send("squeeze")
             ok = _wait_for(get, _firing("KVHostTierEvictionUnderPressure"), 30)
             if ok:
                 a = next(a for a in get().alerts if a.alert == "KVHostTierEvictionUnderPressure")
                 _say(
-                    f"ALERT KVHostTierEvictionUnderPressure cause={a.cause} after {time.monotonic() - t0:.1f} s: {a.summary}"
+                    f"ALERT KVHostTierEvictionUnderPressure cause={a.cause} "
+                    f"after {time.monotonic() - t0:.1f} s: {a.summary}"
                 )
             else:
                 _say("no host-tier alert within 30 s")
-            _send(child, "exit")
+            child.send("exit")
             return ok
         finally:
-            with contextlib.suppress(OSError):
-                child.kill()
-            child.wait()
+            child.close()
 
 
 def scenario_oom(get: Callable[[], Snapshot]) -> bool:
@@ -140,7 +124,7 @@ def scenario_oom(get: Callable[[], Snapshot]) -> bool:
                 return False
             _say(f"engine pid {child.pid} discovered; allocating until its 64 MiB cgroup runs out")
             t0 = time.monotonic()
-            _send(child, "go")
+            child.send("go")
             ok = _wait_for(get, _firing("InferenceProcessOOMKilled"), 20)
             if ok:
                 a = next(a for a in get().alerts if a.alert == "InferenceProcessOOMKilled")
@@ -149,9 +133,7 @@ def scenario_oom(get: Callable[[], Snapshot]) -> bool:
                 _say("no OOM alert within 20 s")
             return ok
         finally:
-            with contextlib.suppress(OSError):
-                child.kill()
-            child.wait()
+            child.close()
 
 
 def run_demo(base: Config, args: argparse.Namespace) -> int:
@@ -164,7 +146,10 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
     daemon.install_signal_handlers()
     runner = threading.Thread(target=daemon.serve, name="kvwatch-demo-daemon", daemon=True)
     runner.start()
-    get = lambda: daemon.agent.snapshot  # noqa: E731
+
+    def get() -> Snapshot:
+        return daemon.agent.snapshot
+
     results: dict[str, bool] = {}
     try:
         if not _wait_for(get, lambda s: s.tick > 0, 30):

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvwatch.daemon.agent import memory_options
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
-from kvwatch.daemon.workloads import MIB, PAGE, drop_file_cache, make_files, read_files
+from kvwatch.daemon.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
 from kvwatch.probes import tracefs
 from kvwatch.probes.memory import MemoryProbes, kernel_dev
 from kvwatch.probes.records import (
@@ -53,7 +53,10 @@ def _caps() -> int:
 
 def check_privileges() -> Check:
     caps = _caps()
-    has = lambda c: bool(caps >> c & 1)  # noqa: E731
+
+    def has(cap: int) -> bool:
+        return bool(caps >> cap & 1)
+
     if os.geteuid() == 0 and has(CAP_SYS_ADMIN):
         return Check("privileges", OK, "root with CAP_SYS_ADMIN")
     if has(CAP_BPF) and has(CAP_PERFMON):
@@ -181,30 +184,19 @@ class Canaries:
         """A child releases exactly CANARY_PAGES pages (after a warm-up pass); the probe
         must charge them to the child. A child, not this process: reading the maps
         here allocates and frees Python memory of our own."""
-        child = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.daemon.workloads", "pages", str(CANARY_PAGES)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdin is not None and child.stdout is not None
-        try:
+        with Workload("pages", str(CANARY_PAGES)) as child:
             self.probes.watch(child.pid)
             got = 0
             for attempt in range(3):
                 before = self.probes.sample().processes.get(child.pid)
-                child.stdin.write("go\n")
-                child.stdin.flush()
-                child.stdout.readline()
+                child.step("go", "done")
                 after = self.probes.sample().processes.get(child.pid)
                 got = (after.page_free_pages if after else 0) - (before.page_free_pages if before else 0)
                 if attempt > 0 and CANARY_PAGES <= got <= CANARY_PAGES + 8:  # page tables may go too
+                    self.probes.unwatch(child.pid)
                     return [Check("canary page_free", OK, f"{got} pages counted for {CANARY_PAGES} released")]
-            return [Check("canary page_free", FAIL, f"{got} pages counted for {CANARY_PAGES} released")]
-        finally:
-            child.stdin.close()
-            child.wait(10)
             self.probes.unwatch(child.pid)
+        return [Check("canary page_free", FAIL, f"{got} pages counted for {CANARY_PAGES} released")]
 
     def lifecycle(self) -> list[Check]:
         child = subprocess.Popen(["/bin/true"])
@@ -285,19 +277,9 @@ class Canaries:
                     st = f.stat()
                     self.probes.set_kv_inode(kernel_dev(st.st_dev), st.st_ino, 1)
                 h0, t0 = self._hits(), self.probes.sample().tiers.get(1)
-                child = subprocess.Popen(
-                    [sys.executable, "-m", "kvwatch.daemon.workloads", "read", *map(str, files)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                assert child.stdin is not None and child.stdout is not None
-                cg.add(child.pid)
-                child.stdin.write("go\n")
-                child.stdin.flush()
-                child.stdout.readline()
-                child.stdin.close()
-                child.wait(30)
+                with Workload("read", *map(str, files)) as child:
+                    cg.add(child.pid)
+                    child.step("go", "read")
                 h1, t1 = self._hits(), self.probes.sample().tiers.get(1)
                 for f in files:
                     st = f.stat()
@@ -323,14 +305,10 @@ class Canaries:
         except CgroupUnavailable as err:
             return [Check("canary oom_victim", SKIP, str(err))]
         try:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch.daemon.workloads", "oom"], stdin=subprocess.PIPE, text=True
-            )
-            assert child.stdin is not None
-            cg.add(child.pid)
-            child.stdin.write("go\n")
-            child.stdin.flush()
-            child.wait(30)
+            with Workload("oom") as child:
+                cg.add(child.pid)
+                child.send("go")
+                child.proc.wait(30)
             evs = self._events(1.0)
         finally:
             cg.remove()

@@ -215,7 +215,7 @@ class KVTierRegistry:
                     continue
                 path = os.path.join(dirpath, name)  # noqa: PTH118 - hot loop over many files
                 try:
-                    st = os.stat(path, follow_symlinks=False)
+                    st = os.stat(path, follow_symlinks=False)  # noqa: PTH116 - hot loop, str paths
                 except OSError:
                     continue
                 if stat.S_ISREG(st.st_mode):
@@ -253,7 +253,8 @@ class KVTierRegistry:
         return any((dev, ino) in t.files.values() for t in self.tiers.values())
 
     def _drain_inotify(self, now: float) -> None:
-        assert self._inotify is not None
+        if self._inotify is None:
+            return
         try:
             events = self._inotify.read(timeout=0)
         except OSError:
@@ -276,7 +277,7 @@ class KVTierRegistry:
                     self._pending_removal.append((now + DELETE_GRACE_SECONDS, *key))
                 continue
             try:
-                st = os.stat(path, follow_symlinks=False)
+                st = os.stat(path, follow_symlinks=False)  # noqa: PTH116 - str path from inotify
             except OSError:
                 continue
             if stat.S_ISDIR(st.st_mode):

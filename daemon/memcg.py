@@ -73,11 +73,12 @@ class MemoryCgroup:
                     os.kill(pid, 9)
             try:
                 self.path.rmdir()
-                return
             except OSError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+            else:
+                return
 
     def __enter__(self) -> MemoryCgroup:
         return self.create()

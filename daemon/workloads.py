@@ -8,14 +8,17 @@ start watching it first; it reports each phase done with one line on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 PAGE = mmap.PAGESIZE
 MIB = 1024 * 1024
@@ -34,6 +37,56 @@ _libc.mmap.argtypes = (
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class Workload:
+    """A workload child speaking the one-line protocol: we send a phase, it answers when done."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvwatch.daemon.workloads", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if self.proc.stdin is None or self.proc.stdout is None:
+            raise RuntimeError("workload pipes missing")
+        self._in: IO[str] = self.proc.stdin
+        self._out: IO[str] = self.proc.stdout
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, line: str) -> None:
+        self._in.write(line + "\n")
+        self._in.flush()
+
+    def expect(self, word: str) -> str:
+        line = self._out.readline().strip()
+        if line != word:
+            raise RuntimeError(f"workload {self.pid}: expected {word!r}, got {line!r}")
+        return line
+
+    def step(self, send: str, expect: str) -> None:
+        self.send(send)
+        self.expect(expect)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.send("quit")
+            self._in.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> Workload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def resident_pages(path: Path) -> int:

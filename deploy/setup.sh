@@ -100,7 +100,8 @@ case "$action" in
     test)
         cd "$here"
         "$venv/bin/ruff" check .
-        "$venv/bin/mypy" -p kvwatch
+        # mypy reads the editable install's link tree as a source path, not as an installed package
+        MYPYPATH=$(ls -d "$here"/build/__editable__.kvwatch-*) "$venv/bin/mypy" -p kvwatch
         exec "$venv/bin/python" -m pytest "$@"
         ;;
     *) die "unknown action '$action' (setup | run | test)" ;;

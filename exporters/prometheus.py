@@ -179,7 +179,8 @@ class SnapshotCollector(Collector):
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
         evicted = CounterMetricFamily(
             "kvwatch_pagecache_evicted_bytes",
-            "page-cache bytes of KV-tier files evicted; cause=reclaim (memory pressure) or policy (deleted/truncated)",
+            "page-cache bytes of KV-tier files evicted; "
+            "cause=reclaim (memory pressure) or policy (deleted/truncated)",
             labels=["tier", "cause"],
         )
         refault = CounterMetricFamily(

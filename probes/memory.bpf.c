@@ -79,6 +79,7 @@ struct proc_stats_t {
     u64 memcg_reclaim_ns;
     u64 memcg_reclaim_count;
 };
+/* Also the filter of the hot paths: an entry exists exactly for each watched TGID. */
 BPF_PERCPU_HASH(proc_stats, u32, struct proc_stats_t, MAX_WATCHED);
 
 struct tier_stats_t {
@@ -159,16 +160,12 @@ static __always_inline struct kvw_event_t *kvw_reserve(u32 type) {
 int kvw_page_free(struct tracepoint__kmem__mm_page_free *args)
 {
     kvw_hit(KVW_HIT_PAGE_FREE);
+    /* One lookup on the hottest path: proc_stats holds an entry for exactly the
+     * watched TGIDs (the daemon creates it with the watch, task_newtask for children). */
     u32 tgid = kvw_tgid();
-    if (!watched.lookup(&tgid))
-        return 0;
-    struct proc_stats_t zero = {};
-    struct proc_stats_t *s = proc_stats.lookup_or_try_init(&tgid, &zero);
-    if (!s) {
-        kvw_lost(KVW_LOST_PROC_STATS_FULL);
-        return 0;
-    }
-    s->page_free_pages += 1ULL << args->order;
+    struct proc_stats_t *s = proc_stats.lookup(&tgid);
+    if (s)
+        s->page_free_pages += 1ULL << args->order;
     return 0;
 }
 #endif
@@ -290,14 +287,9 @@ static __always_inline int kvw_reclaim_end(void) {
     u32 kind = w->kind;
     reclaim_window.delete(&tid);
     u32 tgid = kvw_tgid();
-    if (!watched.lookup(&tgid))
+    struct proc_stats_t *s = proc_stats.lookup(&tgid);
+    if (!s)
         return 0;
-    struct proc_stats_t zero = {};
-    struct proc_stats_t *s = proc_stats.lookup_or_try_init(&tgid, &zero);
-    if (!s) {
-        kvw_lost(KVW_LOST_PROC_STATS_FULL);
-        return 0;
-    }
     if (kind == RECLAIM_MEMCG) {
         s->memcg_reclaim_ns += delta;
         s->memcg_reclaim_count += 1;
@@ -375,7 +367,8 @@ int kvw_task_newtask(struct tracepoint__task__task_newtask *args)
     u32 child = args->pid;
     struct watched_t cw = {};
     cw.root_tgid = pw->root_tgid;
-    if (watched.update(&child, &cw))
+    struct proc_stats_t zero = {};
+    if (watched.update(&child, &cw) || proc_stats.update(&child, &zero))
         kvw_lost(KVW_LOST_WATCHED_FULL);
     struct kvw_event_t *e = kvw_reserve(KVW_EV_FORK);
     if (!e)

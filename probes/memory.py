@@ -72,7 +72,6 @@ HOOKS: tuple[Hook, ...] = (
 # Loss sources counted in the kernel, in index order.
 LOST_SOURCES: tuple[str, ...] = (
     "ringbuf",
-    "proc_stats_full",
     "watched_full",
     "reclaim_window_full",
 )
@@ -258,9 +257,14 @@ class MemoryProbes:
     def watch(self, tgid: int, root_tgid: int | None = None) -> bool:
         """Add a TGID to the in-kernel filter. False when the map is full."""
         t = self.program.table("watched")
+        stats = self.program.table("proc_stats")
         try:
             t[t.Key(tgid)] = t.Leaf(root_tgid if root_tgid is not None else tgid, 0)
-        except Exception:  # bcc raises bare Exception("Could not update table")
+            if stats.Key(tgid) not in stats:  # keep counters a fork may already have started
+                stats[stats.Key(tgid)] = stats.Leaf()
+        except Exception:  # bcc raises bare Exception("Could not update table") when full
+            with contextlib.suppress(KeyError):
+                del t[t.Key(tgid)]
             return False
         return True
 
@@ -270,7 +274,7 @@ class MemoryProbes:
             with contextlib.suppress(KeyError):
                 del t[t.Key(tgid)]
         readers = self.program.table("tier_readers")
-        for k in [k for k in readers.keys() if k.tgid == tgid]:
+        for k in [k for k in readers if k.tgid == tgid]:
             with contextlib.suppress(KeyError):
                 del readers[k]
 

@@ -9,60 +9,33 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from kvwatch.daemon.workloads import Workload
 from prometheus_client.parser import text_string_to_metric_families
 
-WORKLOAD = [sys.executable, "-m", "kvwatch.daemon.workloads"]
 KVWATCH = [sys.executable, "-m", "kvwatch.daemon"]
 
 
-class Child:
-    """A workload child speaking the one-line protocol of kvwatch.daemon.workloads."""
+class Child(Workload):
+    """The shared workload child, with a timeout on each answer so a stuck child fails the test."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [*WORKLOAD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def expect(self, word: str, timeout: float = 60.0) -> None:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        line = self.proc.stdout.readline().strip()
-        assert line == word, f"expected {word!r} from workload, got {line!r}"
-        assert time.monotonic() < deadline
+    def expect(self, word: str, timeout: float = 60.0) -> str:
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            return super().expect(word)
+        finally:
+            timer.cancel()
 
     def step(self, send: str, expect: str, timeout: float = 60.0) -> None:
         self.send(send)
         self.expect(expect, timeout)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.send("quit")
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def free_port() -> int:
@@ -91,8 +64,17 @@ class DaemonProcess:
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [*KVWATCH, "run", "--config", str(self.config), "--listen", f"127.0.0.1:{self.port}",
-             "--log-format", "json", *extra],
+            [
+                *KVWATCH,
+                "run",
+                "--config",
+                str(self.config),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--log-format",
+                "json",
+                *extra,
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

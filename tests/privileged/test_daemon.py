@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from kvwatch.daemon.memcg import MemoryCgroup
 from kvwatch.daemon.workloads import MIB, drop_file_cache, make_files, resident_total
 from kvwatch.probes.tracefs import bcc_probe_events_of
+
 from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, wait_until
 
 N_PAGES = 2311
@@ -71,7 +71,9 @@ def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path
             time.sleep(1.2)  # one tick publishes it
             got = d.value("kvwatch_page_free_pages_total", pid=str(w.pid)) - before
             assert N_PAGES <= got <= N_PAGES * 1.01, got
-            labels = next(lab for lab, _ in d.metrics()["kvwatch_page_free_pages_total"] if lab["pid"] == str(w.pid))
+            labels = next(
+                lab for lab, _ in d.metrics()["kvwatch_page_free_pages_total"] if lab["pid"] == str(w.pid)
+            )
             assert labels["engine"] == "testengine"
         # the workload exited: its series leaves /metrics after the exit grace period
         wait_until(lambda: not watched(d, w.pid), 10, "exited process dropped")
@@ -95,7 +97,9 @@ def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Pat
     drop_file_cache(files)
     with daemon(tmp_path, toml(kvdir)) as d, MemoryCgroup(f"kvwatch-e2e-{os.getpid()}", 640 * MIB) as cg:
         wait_until(lambda: d.value("kvwatch_kv_tier_files", tier="test-tier") == 24, 10, "tier files tracked")
-        with Child("engine", "--kv-dir", str(kvdir), "--squeeze-mb", "560", "--rate-mb", "300", "--seconds", "12") as eng:
+        with Child(
+            "engine", "--kv-dir", str(kvdir), "--squeeze-mb", "560", "--rate-mb", "300", "--seconds", "12"
+        ) as eng:
             cg.add(eng.pid)
             wait_until(lambda: watched(d, eng.pid), 10, "engine discovered")
             eng.step("warm", "warm")
@@ -109,26 +113,51 @@ def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Pat
 
             wait_until(firing, 20, "KVHostTierEvictionUnderPressure")
             latency = time.monotonic() - t0
-            active = next(lab for lab, _ in d.metrics()["kvwatch_alert_active"] if lab["alert"] == "KVHostTierEvictionUnderPressure")
-            assert active["tier"] == "test-tier" and active["pid"] == str(eng.pid) and active["engine"] == "testengine"
+            active = next(
+                lab
+                for lab, _ in d.metrics()["kvwatch_alert_active"]
+                if lab["alert"] == "KVHostTierEvictionUnderPressure"
+            )
+            assert (
+                active["tier"] == "test-tier"
+                and active["pid"] == str(eng.pid)
+                and active["engine"] == "testengine"
+            )
             assert active["cause"] in ("refault", "reclaim_stall", "psi")
             eng.expect("squeezed", 30)
-            assert d.value("kvwatch_pagecache_evicted_bytes_total", tier="test-tier", cause="reclaim") - reclaim0 > r0 * 4096 * 0.2
+            assert (
+                d.value("kvwatch_pagecache_evicted_bytes_total", tier="test-tier", cause="reclaim") - reclaim0
+                > r0 * 4096 * 0.2
+            )
             assert d.value("kvwatch_pagecache_refault_pages_total", tier="test-tier") > 0
             assert d.value("kvwatch_direct_reclaim_seconds_total", pid=str(eng.pid), scope="memcg") > 0
             eng.send("exit")
-        onset = [e for e in d.log_events() if e.get("event") == "alert firing" and e.get("alert") == "KVHostTierEvictionUnderPressure"]
+        onset = [
+            e
+            for e in d.log_events()
+            if e.get("event") == "alert firing" and e.get("alert") == "KVHostTierEvictionUnderPressure"
+        ]
         assert len(onset) == 1 and onset[0]["values"]["evicted_bytes_per_second"] > 32 * MIB  # type: ignore[index]
         assert latency < 10, latency
-        wait_until(lambda: d.value("kvwatch_alert_active", alert="KVHostTierEvictionUnderPressure") == 0, 30, "alert clears")
+        wait_until(
+            lambda: d.value("kvwatch_alert_active", alert="KVHostTierEvictionUnderPressure") == 0,
+            30,
+            "alert clears",
+        )
         fired = d.value("kvwatch_alerts_fired_total", alert="KVHostTierEvictionUnderPressure")
         # the engine deletes its tier: policy evictions, counted, never alerted
         cached = resident_total(files)
         policy0 = d.value("kvwatch_pagecache_evicted_bytes_total", tier="test-tier", cause="policy")
         for f in files:
             f.unlink()
-        wait_until(lambda: d.value("kvwatch_pagecache_evicted_bytes_total", tier="test-tier", cause="policy") - policy0 >= cached * 4096,
-                   10, "policy evictions counted")
+        wait_until(
+            lambda: (
+                d.value("kvwatch_pagecache_evicted_bytes_total", tier="test-tier", cause="policy") - policy0
+                >= cached * 4096
+            ),
+            10,
+            "policy evictions counted",
+        )
         time.sleep(3)
         assert d.value("kvwatch_alerts_fired_total", alert="KVHostTierEvictionUnderPressure") == fired
         assert d.value("kvwatch_alert_active", alert="KVHostTierEvictionUnderPressure") == 0
@@ -144,9 +173,15 @@ def test_oom_kill_counted_and_alerted(tmp_path: Path, kvdir: Path) -> None:
             victim.proc.wait(30)
             wait_until(lambda: d.value("kvwatch_oom_kills_total", engine="testengine") == 1, 5, "OOM counted")
             assert time.monotonic() - t0 < 5
-            assert d.value("kvwatch_alert_active", alert="InferenceProcessOOMKilled", pid=str(victim.pid)) == 1
+            assert (
+                d.value("kvwatch_alert_active", alert="InferenceProcessOOMKilled", pid=str(victim.pid)) == 1
+            )
             assert d.value("kvwatch_alerts_fired_total", alert="InferenceProcessOOMKilled") == 1
-    onset = [e for e in d.log_events() if e.get("alert") == "InferenceProcessOOMKilled" and e.get("event") == "alert firing"]
+    onset = [
+        e
+        for e in d.log_events()
+        if e.get("alert") == "InferenceProcessOOMKilled" and e.get("event") == "alert firing"
+    ]
     assert len(onset) == 1 and onset[0]["severity"] == "critical"
 
 
@@ -155,7 +190,12 @@ def test_children_of_watched_process_are_watched(tmp_path: Path, kvdir: Path) ->
         "import os, sys, time\nsys.stdin.readline()\npid = os.fork()\n"
         "if pid == 0:\n    time.sleep(3); os._exit(0)\nprint(pid, flush=True)\nos.waitpid(pid, 0)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code, "kvwatch-parent"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, "kvwatch-parent"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert parent.stdin and parent.stdout
     with daemon(tmp_path, toml(kvdir), "--pid", str(parent.pid)) as d:
         wait_until(lambda: watched(d, parent.pid), 10, "manual pid watched")
@@ -172,17 +212,18 @@ def test_hostile_process_names_keep_metrics_valid(tmp_path: Path, kvdir: Path) -
     if shutil.which("promtool") is None:
         pytest.fail("promtool missing: deploy/setup.sh test installs prometheus")
     code = (
-        "import ctypes, sys\nctypes.CDLL(None).prctl(15, b'a\"b\\\\c\\n{}', 0, 0, 0)\n"
-        "sys.stdin.readline()\n"
+        "import ctypes, sys\nctypes.CDLL(None).prctl(15, b'a\"b\\\\c\\n{}', 0, 0, 0)\nsys.stdin.readline()\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
     try:
         with daemon(tmp_path, toml(kvdir, rules='{ engine = "evil", comm = "^a" }')) as d:
             wait_until(lambda: watched(d, p.pid), 10, "renamed process watched")
             _, text = d.get("/metrics")
-            out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+            out = subprocess.run(
+                ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False
+            )
             assert out.returncode == 0, out.stdout + out.stderr
-            assert 'comm' not in text  # names never become labels; the engine label is the rule's
+            assert "comm" not in text  # names never become labels; the engine label is the rule's
     finally:
         p.kill()
         p.wait()
@@ -191,7 +232,9 @@ def test_hostile_process_names_keep_metrics_valid(tmp_path: Path, kvdir: Path) -
 def test_bad_config_reports_every_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[daemon]\nlisten = 'x'\nnope = 1\n[discovery]\ninterval_seconds = -3\n")
-    out = subprocess.run([*KVWATCH, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [*KVWATCH, "run", "--config", str(cfg)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 2
     for key in ("daemon.listen", "daemon.nope", "discovery.interval_seconds"):
         assert key in out.stderr
@@ -199,27 +242,44 @@ def test_bad_config_reports_every_key(tmp_path: Path) -> None:
 
 def test_unusable_listen_address_is_a_clear_error(tmp_path: Path, kvdir: Path) -> None:
     with daemon(tmp_path, toml(kvdir)) as d:
-        out = subprocess.run([*KVWATCH, "run", "--listen", f"127.0.0.1:{d.port}"], capture_output=True, text=True, timeout=60, check=False)
+        out = subprocess.run(
+            [*KVWATCH, "run", "--listen", f"127.0.0.1:{d.port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     assert out.returncode == 1
     assert "cannot listen" in out.stderr
 
 
 def test_doctor_json_all_canaries_pass() -> None:
-    out = subprocess.run([*KVWATCH, "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [*KVWATCH, "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
     report = json.loads(out.stdout)
     failed = [c for c in report["checks"] if c["status"] == "fail"]
     assert out.returncode == 0 and report["ok"], failed
     names = {c["name"] for c in report["checks"] if c["status"] == "ok"}
-    for canary in ("canary page_free", "canary pagecache_delete", "canary pagecache_add", "canary memcg_reclaim",
-                   "canary reclaim eviction", "canary oom_victim", "canary task_newtask", "canary process_exit"):
+    for canary in (
+        "canary page_free",
+        "canary pagecache_delete",
+        "canary pagecache_add",
+        "canary memcg_reclaim",
+        "canary reclaim eviction",
+        "canary oom_victim",
+        "canary task_newtask",
+        "canary process_exit",
+    ):
         assert canary in names
 
 
 def test_demo_fires_both_alerts_within_a_minute() -> None:
     t0 = time.monotonic()
-    out = subprocess.run([*KVWATCH, "demo", "--log-format", "json"], capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [*KVWATCH, "demo", "--log-format", "json"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "ALERT KVHostTierEvictionUnderPressure" in out.stdout
     assert "ALERT InferenceProcessOOMKilled" in out.stdout
     assert time.monotonic() - t0 < 90
-

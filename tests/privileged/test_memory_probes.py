@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from kvwatch.daemon.memcg import MemoryCgroup
 from kvwatch.daemon.workloads import MIB, PAGE, drop_file_cache, make_files, resident_total
 from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes, kernel_dev
 from kvwatch.probes.records import HookState, MemorySample, OomKill, ProcessExited, ProcessForked
 from kvwatch.probes.tracefs import tracefs_root
+
 from tests.privileged.helpers import Child
 
 N_PAGES = 2311  # a prime, as bcc's rule asks; large enough that page-table pages stay under 1 %
@@ -46,7 +46,9 @@ def pages_of(sample: MemorySample, pid: int) -> int:
 def test_page_free_counts_watched_process_only(probes: MemoryProbes) -> None:
     with Child("pages", str(N_PAGES)) as watched, Child("pages", str(N_PAGES)) as other:
         assert probes.watch(watched.pid)
-        watched.step("go", "done")  # warm-up: Python's first pass through the code frees a few pages of its own
+        watched.step(
+            "go", "done"
+        )  # warm-up: Python's first pass through the code frees a few pages of its own
         before = pages_of(probes.sample(), watched.pid)
         watched.step("go", "done")
         other.step("go", "done")
@@ -69,9 +71,20 @@ def test_reclaim_eviction_matches_residency_then_policy_on_delete(probes: Memory
     for f in files:
         assert probes.set_kv_inode(dev, f.stat().st_ino, 3)
     with MemoryCgroup(f"kvwatch-test-{os.getpid()}", 400 * MIB) as cg:
-        with Child("read", *map(str, files)) as reader, Child("engine", "--kv-dir", str(kvdir / "none"),
-                                                              "--squeeze-mb", "320", "--rate-mb", "400",
-                                                              "--seconds", "2") as squeezer:
+        with (
+            Child("read", *map(str, files)) as reader,
+            Child(
+                "engine",
+                "--kv-dir",
+                str(kvdir / "none"),
+                "--squeeze-mb",
+                "320",
+                "--rate-mb",
+                "400",
+                "--seconds",
+                "2",
+            ) as squeezer,
+        ):
             cg.add(reader.pid)
             cg.add(squeezer.pid)
             probes.watch(squeezer.pid)
@@ -125,7 +138,9 @@ def test_fork_is_followed_and_exits_reported(probes: MemoryProbes) -> None:
     import sys
 
     code = "import os,sys; sys.stdin.readline(); pid=os.fork()\nif pid==0: os._exit(0)\nos.waitpid(pid,0); print(pid, flush=True); sys.stdin.readline()"
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdin and p.stdout
     probes.watch(p.pid)
     p.stdin.write("\n")
@@ -137,7 +152,9 @@ def test_fork_is_followed_and_exits_reported(probes: MemoryProbes) -> None:
     time.sleep(0.1)
     probes.poll(100)
     events = probes.take_events().events
-    assert any(isinstance(e, ProcessForked) and e.parent_tgid == p.pid and e.child_pid == child for e in events)
+    assert any(
+        isinstance(e, ProcessForked) and e.parent_tgid == p.pid and e.child_pid == child for e in events
+    )
     exits = {e.tgid for e in events if isinstance(e, ProcessExited)}
     assert {child, p.pid} <= exits
     # threads are not processes: a thread-heavy watched process adds nothing to the map
@@ -175,8 +192,14 @@ def test_ring_buffer_loss_is_counted_exactly(tmp_path: Path) -> None:
         import sys
 
         n = 300
-        code = f"import os\nfor _ in range({n}):\n pid=os.fork()\n if pid==0: os._exit(0)\n os.waitpid(pid,0)\n"
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()\n" + code], stdin=subprocess.PIPE, text=True)
+        code = (
+            f"import os\nfor _ in range({n}):\n pid=os.fork()\n if pid==0: os._exit(0)\n os.waitpid(pid,0)\n"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.readline()\n" + code],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdin
         p.watch(proc.pid)
         lost0 = p.sample().lost["ringbuf"]
@@ -226,3 +249,17 @@ def test_watched_map_full_is_reported() -> None:
         assert not p.watch(2_000_000)
     finally:
         p.close()
+
+
+def test_compile_after_releasing_compiler_memory() -> None:
+    from kvwatch.probes.bpf import release_compiler_memory
+
+    first = MemoryProbes(MemoryProbeOptions(features=frozenset({"page_free"})))
+    first.start()
+    assert release_compiler_memory() > 0
+    second = MemoryProbes(MemoryProbeOptions(features=frozenset({"page_free"})))
+    try:
+        assert [s.state for s in second.start() if s.name == "page_free"] == [HookState.ATTACHED]
+    finally:
+        second.close()
+        first.close()

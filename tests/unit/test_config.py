@@ -3,13 +3,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from kvwatch.daemon.cli import build_parser, config_from_args, main
 from kvwatch.daemon.config import ConfigError, load_config, parse_listen
 
 
 def test_defaults_without_file(tmp_path: Path) -> None:
-    c = load_config(environ={"KVWATCH_CONFIG": str(tmp_path / "absent.toml")} and {})
+    c = load_config(environ={}, default_path=None)
     assert c.daemon.listen == "127.0.0.1:9740"
     assert c.discovery.default_rules is True
     assert c.detectors.host_tier_eviction.floor_bytes_per_second == 64 * 1024 * 1024
@@ -19,7 +18,13 @@ def test_file_env_flag_precedence(tmp_path: Path) -> None:
     f = tmp_path / "k.toml"
     f.write_text('[daemon]\nlisten = "127.0.0.1:1111"\ntick_seconds = 2\n[discovery]\ninterval_seconds = 7\n')
     env = {"KVWATCH_DAEMON__LISTEN": "127.0.0.1:2222", "KVWATCH_DISCOVERY__PIDS": "[5, 7]"}
-    c = load_config(f, environ=env, overrides={"daemon.listen": "127.0.0.1:3333"}, sets=["daemon.tick_seconds=0.5"])
+    c = load_config(
+        f,
+        environ=env,
+        default_path=None,
+        overrides={"daemon.listen": "127.0.0.1:3333"},
+        sets=["daemon.tick_seconds=0.5"],
+    )
     assert c.daemon.listen == "127.0.0.1:3333"  # flag beats env beats file
     assert c.daemon.tick_seconds == 0.5  # --set beats file
     assert c.discovery.interval_seconds == 7  # file value kept
@@ -33,7 +38,7 @@ def test_all_problems_reported_at_once_naming_keys(tmp_path: Path) -> None:
         "[detectors.host_tier_eviction]\nfactor = 'high'\n[nosuchsection]\nx = 1\n"
     )
     with pytest.raises(ConfigError) as ei:
-        load_config(f, environ={"KVWATCH_DISCOVERY__INTERVAL_SECONDS": "soon"})
+        load_config(f, environ={"KVWATCH_DISCOVERY__INTERVAL_SECONDS": "soon"}, default_path=None)
     keys = {p.key for p in ei.value.problems}
     assert {
         "daemon.listen",
@@ -53,15 +58,16 @@ def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
     f = tmp_path / "broken.toml"
     f.write_text("[daemon\nlisten=")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        load_config(f, environ={})
+        load_config(f, environ={}, default_path=None)
     with pytest.raises(ConfigError, match="no such file"):
-        load_config(tmp_path / "nope.toml", environ={})
+        load_config(tmp_path / "nope.toml", environ={}, default_path=None)
 
 
 def test_rule_validation() -> None:
     with pytest.raises(ConfigError) as ei:
         load_config(
             environ={},
+            default_path=None,
             sets=['discovery.rules=[{engine="x"}, {engine="Bad Name", comm="a"}, {engine="y", cmdline="("}]'],
         )
     msgs = " | ".join(str(p) for p in ei.value.problems)
@@ -80,18 +86,30 @@ def test_listen_parsing() -> None:
 
 
 def test_ringbuf_pages_power_of_two() -> None:
-    with pytest.raises(ConfigError, match="probes.ringbuf_pages"):
-        load_config(environ={}, sets=["probes.ringbuf_pages=3"])
+    with pytest.raises(ConfigError, match=r"probes\.ringbuf_pages"):
+        load_config(environ={}, default_path=None, sets=["probes.ringbuf_pages=3"])
 
 
 def test_tls_needs_both() -> None:
-    with pytest.raises(ConfigError, match="tls_cert and tls_key"):
-        load_config(environ={}, sets=['daemon.tls_cert="/x.pem"'])
+    with pytest.raises(ConfigError, match=r"tls_cert and tls_key"):
+        load_config(environ={}, default_path=None, sets=['daemon.tls_cert="/x.pem"'])
 
 
 def test_cli_flags_map_to_config(tmp_path: Path) -> None:
     args = build_parser().parse_args(
-        ["run", "--listen", "127.0.0.1:9999", "--pid", "12", "--pid", "13", "--kv-dir", str(tmp_path), "--log-format", "json"]
+        [
+            "run",
+            "--listen",
+            "127.0.0.1:9999",
+            "--pid",
+            "12",
+            "--pid",
+            "13",
+            "--kv-dir",
+            str(tmp_path),
+            "--log-format",
+            "json",
+        ]
     )
     c = config_from_args(args)
     assert c.daemon.listen == "127.0.0.1:9999"
@@ -106,3 +124,8 @@ def test_cli_config_error_exit_code(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["run", "--config", str(f)]) == 2
     err = capsys.readouterr().err
     assert "daemon.listen" in err and "daemon.unknown" in err
+
+
+def test_example_config_is_valid_and_shows_the_defaults() -> None:
+    example = Path(__file__).parents[2] / "deploy" / "kvwatch.example.toml"
+    assert load_config(example, environ={}, default_path=None) == load_config(environ={}, default_path=None)

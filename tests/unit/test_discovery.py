@@ -6,13 +6,34 @@ from kvwatch.daemon.cgroups import parse_cgroup
 from kvwatch.daemon.config import DiscoveryConfig, EngineRule
 from kvwatch.daemon.discovery import Discovery, disagg_role
 from kvwatch.daemon.procfs import ProcessGone, ProcFS
+
 from tests.procfixture import FakeProc, make_proc
 
-POD = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1b2c3d4e_1111_2222_3333_444455556666.slice/cri-containerd-" + "a" * 64 + ".scope\n"
+POD = (
+    "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1b2c3d4e_1111_2222_3333_444455556666.slice/cri-containerd-"
+    + "a" * 64
+    + ".scope\n"
+)
 
 PROCS = [
-    FakeProc(100, "VLLM::EngineCor", ["VLLM::EngineCore"], cgroup=POD, environ={"HOSTNAME": "vllm-0", "SECRET_TOKEN": "x"}),
-    FakeProc(101, "python3", ["/usr/bin/python3", "-m", "vllm.entrypoints.openai.api_server", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}']),
+    FakeProc(
+        100,
+        "VLLM::EngineCor",
+        ["VLLM::EngineCore"],
+        cgroup=POD,
+        environ={"HOSTNAME": "vllm-0", "SECRET_TOKEN": "x"},
+    ),
+    FakeProc(
+        101,
+        "python3",
+        [
+            "/usr/bin/python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--kv-transfer-config",
+            '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
+        ],
+    ),
     FakeProc(102, "vllm", ["/usr/local/bin/vllm", "serve", "meta-llama/Llama-3-8B"]),
     FakeProc(103, "sglang::schedul", ["sglang::scheduler_TP0"]),
     FakeProc(104, "python", ["python", "-m", "sglang.launch_server", "--disaggregation-mode", "decode"]),
@@ -37,7 +58,15 @@ def test_default_rules(tmp_path: Path) -> None:
     found = by_pid(disc(tmp_path))
     assert set(found) == {100, 101, 102, 103, 104, 105, 108}
     engines = {pid: p.labels.engine for pid, p in found.items()}  # type: ignore[attr-defined]
-    assert engines == {100: "vllm", 101: "vllm", 102: "vllm", 103: "sglang", 104: "sglang", 105: "tgi", 108: "triton"}
+    assert engines == {
+        100: "vllm",
+        101: "vllm",
+        102: "vllm",
+        103: "sglang",
+        104: "sglang",
+        105: "tgi",
+        108: "triton",
+    }
 
 
 def test_labels_roles_components_and_pod(tmp_path: Path) -> None:
@@ -85,7 +114,7 @@ def test_nvml_processes_are_watched_and_errors_counted(tmp_path: Path) -> None:
 def test_hostile_names_and_cmdlines(tmp_path: Path) -> None:
     procs = [
         FakeProc(200, "x) (y z", ["x) (y z"]),  # parentheses and spaces inside comm
-        FakeProc(201, "VLLM::Worker\n1", ["VLLM::Worker\n1 \"quoted\" \\ back"]),
+        FakeProc(201, "VLLM::Worker\n1", ['VLLM::Worker\n1 "quoted" \\ back']),
         FakeProc(202, "evil", b"vllm\x00serve\x00\xff\xfe\x00" + b"A" * 100_000),
         FakeProc(203, "empty", b""),
     ]
@@ -148,7 +177,11 @@ def test_cgroup_parsing_variants() -> None:
     k8s_v1 = ["5:memory:/kubepods/burstable/pod01234567-89ab-cdef-0123-456789abcdef/" + "c" * 64]
     cg = parse_cgroup(k8s_v1)
     assert cg.pod_uid == "01234567-89ab-cdef-0123-456789abcdef" and cg.container_id == "c" * 12
-    crio = ["0::/kubepods.slice/kubepods-pod01234567_89ab_cdef_0123_456789abcdef.slice/crio-" + "d" * 64 + ".scope"]
+    crio = [
+        "0::/kubepods.slice/kubepods-pod01234567_89ab_cdef_0123_456789abcdef.slice/crio-"
+        + "d" * 64
+        + ".scope"
+    ]
     cg = parse_cgroup(crio)
     assert cg.container_id == "d" * 12 and cg.pod_uid == "01234567-89ab-cdef-0123-456789abcdef"
     assert cg.unified_path.startswith("/kubepods.slice")

@@ -8,22 +8,27 @@ import shutil
 import socket
 import subprocess
 import threading
-from dataclasses import replace
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvwatch.daemon.alerts import Alert
 from kvwatch.daemon.snapshot import ProbeView, ProcessView, Snapshot, TierView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 GOLDEN = Path(__file__).parent.parent / "fixtures" / "golden_metrics.txt"
-LABELS = {"engine": "vllm", "role": "decode", "component": "engine_core", "container": "abcdef012345", "pod": "vllm-0"}
+LABELS = {
+    "engine": "vllm",
+    "role": "decode",
+    "component": "engine_core",
+    "container": "abcdef012345",
+    "pod": "vllm-0",
+}
 
 
 def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
@@ -53,7 +58,14 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
             ProcessView(
                 key="4243@78",
                 pid=4243,
-                labels={"pid": "4243", "engine": 'we"ird\\name\n', "role": "", "component": "", "container": "", "pod": ""},
+                labels={
+                    "pid": "4243",
+                    "engine": 'we"ird\\name\n',
+                    "role": "",
+                    "component": "",
+                    "container": "",
+                    "pod": "",
+                },
                 source="manual",
                 alive=True,
                 totals={"page_free_pages": 0.0},
@@ -91,7 +103,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
             ProbeView("page_free", "memory", "kmem:mm_page_free", "attached", True, 123456),
             ProbeView("oom_victim", "memory", "oom:mark_victim", "missing", True, 0, "not on this kernel"),
         ),
-        lost={"ringbuf": 3, "proc_stats_full": 0},
+        lost={"ringbuf": 3, "watched_full": 0},
         errors={"tick_sample": 1},
         watched_by_engine={"vllm": 1, 'we"ird\\name\n': 1},
         label_overflow=0,
@@ -149,10 +161,18 @@ def test_exited_process_disappears() -> None:
     assert 'pid="4243"' not in render(replace(s, processes=s.processes[:1]))
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("KVWATCH_CI"),
-                    reason="promtool not installed (deploy/setup.sh test installs it)")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None and not os.environ.get("KVWATCH_CI"),
+    reason="promtool not installed (deploy/setup.sh test installs it)",
+)
 def test_promtool_check_metrics() -> None:
-    out = subprocess.run(["promtool", "check", "metrics"], input=GOLDEN.read_text(), capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=GOLDEN.read_text(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -163,7 +183,9 @@ def test_promtool_check_metrics() -> None:
 def server() -> MetricsServer:
     state = {"snap": fixture_snapshot(wall=1000.0)}
     collector = SnapshotCollector(lambda: state["snap"], clock=lambda: 1001.0)
-    srv = MetricsServer("127.0.0.1", 0, build_registry(collector), lambda: state["snap"], clock=lambda: 1001.0)
+    srv = MetricsServer(
+        "127.0.0.1", 0, build_registry(collector), lambda: state["snap"], clock=lambda: 1001.0
+    )
     srv.state = state  # type: ignore[attr-defined]
     srv.start()
     yield srv
@@ -181,7 +203,11 @@ def get(srv: MetricsServer, path: str) -> tuple[int, str]:
 
 def test_endpoints(server: MetricsServer) -> None:
     code, body = get(server, "/metrics")
-    assert code == 200 and "kvwatch_page_free_pages_total" in body and "kvwatch_process_resident_memory_bytes" in body
+    assert (
+        code == 200
+        and "kvwatch_page_free_pages_total" in body
+        and "kvwatch_process_resident_memory_bytes" in body
+    )
     assert get(server, "/healthz") == (200, "ok\n")
     code, body = get(server, "/readyz")
     assert code == 200 and json.loads(body)["ready"] is True
@@ -198,7 +224,12 @@ def test_healthz_reports_stalled_loop(server: MetricsServer) -> None:
 
 def test_garbage_requests_do_not_break_server(server: MetricsServer) -> None:
     host, port = server.address
-    for payload in (b"\x00\xff garbage\r\n\r\n", b"GET /" + b"A" * 70000 + b" HTTP/1.1\r\n\r\n", b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", b""):
+    for payload in (
+        b"\x00\xff garbage\r\n\r\n",
+        b"GET /" + b"A" * 70000 + b" HTTP/1.1\r\n\r\n",
+        b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+        b"",
+    ):
         with socket.create_connection((host, port), timeout=5) as s:
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
@@ -213,7 +244,11 @@ def test_concurrent_scrapes_agree(server: MetricsServer) -> None:
     def scrape() -> None:
         for _ in range(20):
             _, body = get(server, "/metrics")
-            line = next(line for line in body.splitlines() if line.startswith("kvwatch_page_free_pages_total{") and "4242" in line)
+            line = next(
+                line
+                for line in body.splitlines()
+                if line.startswith("kvwatch_page_free_pages_total{") and "4242" in line
+            )
             with lock:
                 bodies.append(line)
 

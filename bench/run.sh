@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Run every benchmark (root, real kernel) and write bench/results/*.md.
+# Needs the set-up of deploy/setup.sh and gcc + taskset.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v gcc >/dev/null || apt-get install -y -qq gcc >/dev/null
+.venv/bin/python bench/bench_memory.py --rounds "${ROUNDS:-5}" --seconds "${SECONDS_PER_MODE:-20}" --out bench/results/memory.md
