@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes  # noqa: E402
+
 from tests.privileged.helpers import DaemonProcess, wait_until  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
