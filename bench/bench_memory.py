@@ -29,9 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes  # noqa: E402
+from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
 
-from tests.privileged.helpers import DaemonProcess, wait_until  # noqa: E402
+from tests.privileged.helpers import DaemonProcess, wait_until
 
 CLK = os.sysconf("SC_CLK_TCK")
 ITERS, PAGES = 400, 2048
