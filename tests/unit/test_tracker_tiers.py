@@ -6,6 +6,7 @@ import contextlib
 import struct
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvwatch.daemon.config import DiscoveryConfig, KVTiersConfig
@@ -267,3 +268,24 @@ def test_decode_known_events() -> None:
 def test_decode_garbage_never_crashes(data: bytes) -> None:
     with contextlib.suppress(ValueError):
         decode_event(data)
+
+
+def test_memory_cgroup_v2_and_v1_files(tmp_path: Path) -> None:
+    from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu io memory pids\n")
+    cg = MemoryCgroup("t", 64 << 20, root=v2).create()
+    assert cg.version == 2
+    assert (v2 / "t" / "memory.max").read_text() == str(64 << 20)
+    assert (v2 / "t" / "memory.swap.max").read_text() == "0"
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("max")
+    cg1 = MemoryCgroup("t", 32 << 20, root=v1).create()
+    assert cg1.version == 1 and (v1 / "memory" / "t" / "memory.limit_in_bytes").read_text() == str(32 << 20)
+    none = tmp_path / "none"
+    none.mkdir()
+    with pytest.raises(CgroupUnavailable):
+        MemoryCgroup("t", 1, root=none)
