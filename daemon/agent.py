@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import structlog
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.cuda_tracking import CudaTracker
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.probe_down import ProbeDown
+from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
@@ -25,10 +27,12 @@ from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.nvml import Nvml
 from kvwatch.daemon.procfs import ProcError, ProcFS
 from kvwatch.daemon.psi import PressureReader
+from kvwatch.daemon.publish import build_snapshot, process_labels
 from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.snapshot import ProbeView, ProcessView, Snapshot, TierView
+from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.bpf import release_compiler_memory
+from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes
 from kvwatch.probes.records import (
@@ -45,7 +49,6 @@ from kvwatch.probes.records import (
 log = structlog.get_logger("kvwatch.agent")
 
 PAGE_SIZE = 4096
-RATE_WINDOW = 5.0
 PROCESS_TOTALS = (
     "page_free_pages",
     "direct_reclaim_seconds",
@@ -53,26 +56,14 @@ PROCESS_TOTALS = (
     "memcg_reclaim_seconds",
     "memcg_reclaim_count",
 )
-TIER_TOTALS = (
-    "reclaim_bytes",
-    "policy_bytes",
-    "reclaim_pages",
-    "policy_pages",
-    "refault_pages",
-    "added_pages",
-)
 
 
-def process_labels(t: Tracked) -> dict[str, str]:
-    lab = t.proc.labels
-    return {
-        "pid": str(t.pid),
-        "engine": lab.engine,
-        "role": lab.role,
-        "component": lab.component,
-        "container": lab.container,
-        "pod": lab.pod,
-    }
+def cuda_options(config: Config) -> CudaProbeOptions:
+    return CudaProbeOptions(
+        max_ledger=config.probes.cuda_max_ledger,
+        max_processes=max(1024, config.discovery.max_processes * 2),
+        driver_api=config.probes.cuda_driver_api,
+    )
 
 
 def memory_options(config: Config) -> MemoryProbeOptions:
@@ -96,6 +87,7 @@ class Agent:
         config: Config,
         *,
         memory: MemoryProbes | None,
+        cuda: CudaProbes | None = None,
         procfs: ProcFS | None = None,
         nvml: Nvml | None = None,
         sinks: Sequence[AlertSink] | None = None,
@@ -104,6 +96,9 @@ class Agent:
     ) -> None:
         self.config = config
         self.memory = memory
+        self.cuda = cuda
+        self.cuda_tracker: CudaTracker | None = None
+        self.cuda_failure = ""
         self.procfs = procfs or ProcFS(config.discovery.proc_root)
         self.nvml = nvml
         self.clock = clock
@@ -124,6 +119,7 @@ class Agent:
         self.pressure = PressureReader(config.discovery.proc_root)
         self.host_tier = HostTierEviction(config.detectors.host_tier_eviction)
         self.oom = OOMKilled(config.detectors.oom)
+        self.reuse = ReuseCollapse(config.detectors.reuse_collapse)
         self.probe_down = ProbeDown()
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
         self.alerts = AlertBook(default_sinks + list(sinks or []))
@@ -137,6 +133,7 @@ class Agent:
         self._tick = 0
         self._published = _Published(Snapshot.empty())
         self._lost_userspace = {"malformed_events": 0}
+        self._device_totals = nvml.device_memory_total() if nvml is not None else []
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -162,6 +159,21 @@ class Agent:
             for st in self.statuses:
                 if st.state is not HookState.ATTACHED:
                     log.warning("probe not attached", probe=st.name, state=st.state.value, reason=st.reason)
+        if self.cuda is not None:
+            try:
+                self.cuda.start()
+            except ProbeError as err:
+                self.errors.record("probe_load_cuda", "CUDA probes did not load", err)
+                self.cuda_failure = str(err)
+                self.cuda = None
+            else:
+                self.cuda_tracker = CudaTracker(
+                    self.cuda,
+                    self.errors,
+                    clock=self.clock,
+                    rescan_seconds=self.config.probes.cuda_rescan_seconds,
+                )
+        if self.memory is not None or self.cuda is not None:
             release_compiler_memory()
         self.tick()
 
@@ -184,6 +196,11 @@ class Agent:
                         stop.wait(min(remaining, 0.1))
                 else:
                     stop.wait(min(remaining, 0.1))
+                if self.cuda is not None:
+                    try:
+                        self.cuda.consume()
+                    except Exception as err:
+                        self.errors.record("ring_poll_cuda", "CUDA ring buffer poll failed", err)
                 if self._has_urgent_events():
                     self.tick()
                 continue
@@ -200,6 +217,10 @@ class Agent:
 
     def close(self) -> None:
         self.alerts.close()
+        if self.cuda_tracker is not None:
+            self.cuda_tracker.close()
+        if self.cuda is not None:
+            self.cuda.close()
         if self.tiers is not None:
             self.tiers.close()
         self.tracker.close()
@@ -218,6 +239,7 @@ class Agent:
             ("hints", self.tracker.process_hints),
             ("discovery", lambda: self._discover(now)),
             ("kv_tiers", self._refresh_tiers),
+            ("cuda", self._sync_cuda),
             ("sample", lambda: self._ingest(now)),
         ):
             try:
@@ -233,6 +255,7 @@ class Agent:
         self.tracker.expire()
         for gone in self.tracker.take_removed():
             self.host_tier.forget(gone.key)
+            self.reuse.forget(gone.key)
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
@@ -314,7 +337,19 @@ class Agent:
         if self.tiers is not None:
             self.tiers.refresh()
 
+    def _sync_cuda(self) -> None:
+        if self.cuda_tracker is not None:
+            self.cuda_tracker.sync(self.tracker.tracked())
+            self.cuda_tracker.ingest()
+
     def _ingest(self, now: float) -> None:
+        if self.cuda_tracker is not None:
+            device_total = float(max(self._device_totals, default=0))
+            for t in self.tracker.tracked():
+                cuda = self.cuda_tracker.series(t.pid)
+                if cuda is not None:
+                    cuda["gpu_device_total_bytes"] = device_total
+                    t.series.add(now, cuda)
         if self.memory is None:
             return
         sample = self.memory.sample()
@@ -403,102 +438,40 @@ class Agent:
         hits = self._sample.hits if self._sample else {}
         return (
             self.host_tier.evaluate(view)
+            + self.reuse.evaluate(view)
             + self.oom.evaluate(view)
             + self.probe_down.evaluate(self.statuses, hits, now)
         )
 
     # --- publishing -----------------------------------------------------------------------------
     def not_ready_reasons(self) -> tuple[str, ...]:
+        reasons: tuple[str, ...] = ()
+        if self.config.probes.cuda and self.cuda is None:
+            reasons += (f"CUDA probes not loaded ({self.cuda_failure or 'bcc unavailable'})",)
         if self.memory is None and any(f for f in self.config.probes.memory):
-            return ("kernel-memory probes not loaded",)
-        return tuple(
+            return ("kernel-memory probes not loaded", *reasons)
+        return reasons + tuple(
             f"{s.family}/{s.name}: {s.state.value} ({s.reason})"
             for s in self.statuses
             if s.required and s.state not in (HookState.ATTACHED, HookState.DISABLED)
         )
 
     def _build_snapshot(self, now: float, loop_seconds: float) -> Snapshot:
-        sample = self._sample
-        hits = sample.hits if sample else {}
-        lost = dict(sample.lost) if sample else {}
-        lost.update(self._lost_userspace)
-        lost["exec_hints_dropped"] = self.tracker.stats.hints_dropped
-        gpu = self.nvml.used_by_pid() if self.nvml is not None else {}
-        procs = tuple(
-            ProcessView(
-                key=t.key,
-                pid=t.pid,
-                labels=process_labels(t),
-                source=t.proc.source,
-                alive=t.exited_at is None,
-                totals=dict(t.totals),
-                rates=t.series.rates(
-                    ("page_free_pages", "direct_reclaim_seconds", "memcg_reclaim_seconds"), RATE_WINDOW
-                ),
-                gpu_used_bytes=gpu.get(t.pid),
-            )
-            for t in self.tracker.tracked()
-        )
-        tiers: list[TierView] = []
-        if self.tiers is not None:
-            for tier in self.tiers.tiers.values():
-                series = self.tier_series.get(tier.tier_id, SeriesSet())
-                tiers.append(
-                    TierView(
-                        key=f"tier:{tier.tier_id}",
-                        tier_id=tier.tier_id,
-                        name=tier.name,
-                        path=str(tier.path),
-                        source=tier.source,
-                        owners=tuple(sorted(t.pid for t in self._tier_owners(tier))),
-                        files=len(tier.files),
-                        totals={n: series.last(n) for n in TIER_TOTALS},
-                        rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
-                    )
-                )
-            if self.tiers.stats.map_full:
-                lost["kv_inodes_full"] = self.tiers.stats.map_full
-        errors = dict(self.errors.counts)
-        errors["alert_sink"] = self.alerts.sink_errors
-        watched: dict[str, int] = {}
-        for t in self.tracker.tracked():
-            if t.exited_at is None:
-                watched[t.proc.labels.engine] = watched.get(t.proc.labels.engine, 0) + 1
-        reasons = self.not_ready_reasons()
-        return Snapshot(
-            wall_time=self.wall(),
-            monotonic=now,
-            tick=self._tick,
-            ready=not reasons,
-            not_ready_reasons=reasons,
-            processes=procs,
-            tiers=tuple(tiers),
-            alerts=tuple(self.alerts.active.values()),
-            alerts_fired=dict(self.alerts.fired),
-            oom_kills=dict(self.oom_kills),
-            probes=tuple(
-                ProbeView(
-                    s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason
-                )
-                for s in self.statuses
-            ),
-            lost=lost,
-            errors=errors,
-            watched_by_engine=watched,
-            label_overflow=self.tracker.stats.label_overflow,
-            loop_seconds=loop_seconds,
-            psi_memory_some_avg10=self.pressure.node(),
-            recent_alerts=tuple(self.alerts.history[-50:]),
-        )
+        return build_snapshot(self, now, loop_seconds)
 
 
 def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True) -> Agent:
     """The production wiring: real probes, real /proc, NVML when present."""
     memory = MemoryProbes(memory_options(config)) if use_bpf and config.probes.memory else None
+    cuda = (
+        CudaProbes(cuda_options(config), proc_root=config.discovery.proc_root)
+        if use_bpf and config.probes.cuda
+        else None
+    )
     nvml = None
     if config.discovery.nvml != "off":
         nvml, reason = Nvml.open()
         if nvml is None:
             level = log.warning if config.discovery.nvml == "on" else log.info
             level("NVML not used", reason=reason)
-    return Agent(config, memory=memory, nvml=nvml, sinks=list(sinks))
+    return Agent(config, memory=memory, cuda=cuda, nvml=nvml, sinks=list(sinks))

@@ -128,6 +128,10 @@ class ProbesConfig(_Section):
     ]
     ringbuf_pages: Annotated[int, Field(ge=1)] = 64
     max_evicted_pages_tracked: Annotated[int, Field(ge=1024)] = 131072
+    cuda: bool = True
+    cuda_driver_api: bool = True
+    cuda_rescan_seconds: PositiveFloat = 5.0
+    cuda_max_ledger: Annotated[int, Field(ge=1024)] = 65536
 
     @field_validator("ringbuf_pages")
     @classmethod
@@ -146,12 +150,22 @@ class DetectorCommon(_Section):
 
 
 class HostTierEvictionConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 5.0
+    window_seconds: PositiveFloat = 2.0
     factor: Annotated[float, Field(ge=1)] = 5.0
     floor_bytes_per_second: NonNegFloat = 64 * 1024 * 1024
     refault_ratio: Annotated[float, Field(ge=0, le=1)] = 0.25
     reclaim_stall_ms_per_second: NonNegFloat = 50.0
     psi_some_avg10: NonNegFloat = 10.0
+
+
+class ReuseCollapseConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 2.0
+    factor: Annotated[float, Field(ge=1)] = 10.0
+    floor_calls_per_second: NonNegFloat = 20.0
+    churn_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.05
+    require_kv_pool: bool = True
+    kv_pool_fraction: Annotated[float, Field(gt=0, le=1)] = 0.10
+    baseline_min_seconds: NonNegFloat = 30.0
 
 
 class OOMConfig(_Section):
@@ -162,6 +176,7 @@ class OOMConfig(_Section):
 
 class DetectorsConfig(_Section):
     host_tier_eviction: HostTierEvictionConfig = HostTierEvictionConfig()
+    reuse_collapse: ReuseCollapseConfig = ReuseCollapseConfig()
     oom: OOMConfig = OOMConfig()
 
 

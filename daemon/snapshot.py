@@ -11,6 +11,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.alerts import Alert
+from kvwatch.probes.cuda import ApiCounters
+
+
+@dataclass(frozen=True, slots=True)
+class CudaView:
+    """CUDA allocation counters of one process, since kvwatch attached to it."""
+
+    apis: Mapping[str, ApiCounters]  # by api label: ok / err calls, bytes, frees of unknown size
+    outstanding: Mapping[str, int]  # device / host / vmm: allocated minus freed (known sizes)
+    failures: Mapping[tuple[str, int], int]  # (api, error code) -> failed calls
+    symbols_attached: int
+    libraries: tuple[str, ...]
+    ucx_hooks: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +36,7 @@ class ProcessView:
     totals: Mapping[str, float]  # cumulative: page_free_pages, direct_reclaim_seconds, ...
     rates: Mapping[str, float]  # per second over the rate window
     gpu_used_bytes: int | None = None
+    cuda: CudaView | None = None
 
 
 @dataclass(frozen=True, slots=True)

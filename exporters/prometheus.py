@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from kvwatch.daemon.alerts import ALERT_NAMES
 from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.probes.cuda import CUDA_APIS, ApiCounters
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
@@ -112,6 +113,7 @@ class SnapshotCollector(Collector):
         yield overflow
 
         yield from self._process_families(s)
+        yield from self._cuda_families(s)
         yield from self._tier_families(s)
 
         oom = CounterMetricFamily(
@@ -175,6 +177,82 @@ class SnapshotCollector(Collector):
         yield reclaim
         yield stalls
         yield gpu
+
+    def _cuda_families(self, s: Snapshot) -> Iterator[Metric]:
+        labels = list(PROCESS_LABELS)
+        alloc_calls = CounterMetricFamily(
+            "kvwatch_cuda_alloc_calls",
+            "CUDA allocation calls (result ok / error)",
+            labels=[*labels, "api", "result"],
+        )
+        alloc_bytes = CounterMetricFamily(
+            "kvwatch_cuda_alloc_bytes", "bytes successfully allocated", labels=[*labels, "api"]
+        )
+        free_calls = CounterMetricFamily(
+            "kvwatch_cuda_free_calls", "CUDA free calls", labels=[*labels, "api", "result"]
+        )
+        freed_bytes = CounterMetricFamily(
+            "kvwatch_cuda_freed_bytes", "bytes freed (allocations kvwatch saw)", labels=[*labels, "api"]
+        )
+        unknown = CounterMetricFamily(
+            "kvwatch_cuda_free_unknown",
+            "successful frees of allocations made before kvwatch attached (size unknown)",
+            labels=[*labels, "api"],
+        )
+        maps = CounterMetricFamily(
+            "kvwatch_cuda_vmm_map_calls", "cuMemMap / cuMemUnmap calls", labels=[*labels, "api"]
+        )
+        mapped = CounterMetricFamily(
+            "kvwatch_cuda_vmm_mapped_bytes", "bytes mapped / unmapped by the VMM API", labels=[*labels, "api"]
+        )
+        outstanding = GaugeMetricFamily(
+            "kvwatch_cuda_outstanding_bytes",
+            "allocated minus freed since kvwatch attached (kind: device, host, vmm)",
+            labels=[*labels, "kind"],
+        )
+        failures = CounterMetricFamily(
+            "kvwatch_cuda_alloc_failures",
+            "failed allocation calls by CUDA error code",
+            labels=[*labels, "api", "code"],
+        )
+        attached = GaugeMetricFamily(
+            "kvwatch_cuda_probes_attached", "CUDA API symbols probed in the process", labels=labels
+        )
+        for p in s.processes:
+            if p.cuda is None:
+                continue
+            v = _values(p.labels, PROCESS_LABELS)
+            attached.add_metric(v, p.cuda.symbols_attached)
+            for kind, n in sorted(p.cuda.outstanding.items()):
+                outstanding.add_metric([*v, kind], n)
+            for (api, code), n in sorted(p.cuda.failures.items()):
+                failures.add_metric([*v, api, str(code)], n)
+            for api in CUDA_APIS:
+                c = p.cuda.apis.get(api.label) or ApiCounters()
+                if api.is_alloc:
+                    alloc_calls.add_metric([*v, api.label, "ok"], c.ok)
+                    alloc_calls.add_metric([*v, api.label, "error"], c.err)
+                    alloc_bytes.add_metric([*v, api.label], c.bytes)
+                elif api.is_free:
+                    free_calls.add_metric([*v, api.label, "ok"], c.ok)
+                    free_calls.add_metric([*v, api.label, "error"], c.err)
+                    freed_bytes.add_metric([*v, api.label], c.bytes)
+                    unknown.add_metric([*v, api.label], c.unknown)
+                else:
+                    maps.add_metric([*v, api.label], c.ok)
+                    mapped.add_metric([*v, api.label], c.bytes)
+        yield from (
+            alloc_calls,
+            alloc_bytes,
+            free_calls,
+            freed_bytes,
+            unknown,
+            maps,
+            mapped,
+            outstanding,
+            failures,
+            attached,
+        )
 
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
         evicted = CounterMetricFamily(

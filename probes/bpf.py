@@ -8,6 +8,7 @@ Everything above this module sees plain Python values and the typed records of
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,10 @@ from typing import Any
 from kvwatch.probes.errors import BccUnavailable, ProbeAttachError, ProbeCompileError
 
 PROBES_DIR = Path(__file__).resolve().parent
+
+# bcc refuses more than 1000 probes per process by default; kvwatch attaches ~34 per
+# CUDA library per watched process.
+os.environ.setdefault("BCC_PROBE_LIMIT", "100000")
 
 try:  # bcc comes from the distribution (python3-bpfcc), importable by /usr/bin/python3 only
     import bcc as _bcc
@@ -99,16 +104,19 @@ class Program:
         fn_name: str,
         *,
         pid: int,
-        sym: str = "",
-        addr: int = 0,
+        addr: int,
         retprobe: bool = False,
-    ) -> None:
-        kwargs: dict[str, Any] = {"name": path.encode(), "fn_name": fn_name.encode(), "pid": pid}
-        if addr:
-            kwargs["addr"] = addr
-        else:
-            kwargs["sym"] = sym.encode()
-        target = f"{path}:{sym or hex(addr)}"
+    ) -> str:
+        """Attach at ELF address ``addr`` of ``path`` for ``pid`` only; returns the event
+        name to detach with (which works after the file or the process is gone)."""
+        before = set(self._bpf.uprobe_fds)
+        target = f"{path}:{addr:#x}"
+        kwargs: dict[str, Any] = {
+            "name": path.encode(),
+            "fn_name": fn_name.encode(),
+            "pid": pid,
+            "addr": addr,
+        }
         try:
             if retprobe:
                 self._bpf.attach_uretprobe(**kwargs)
@@ -116,19 +124,19 @@ class Program:
                 self._bpf.attach_uprobe(**kwargs)
         except Exception as err:
             raise ProbeAttachError(hook, target, str(err)) from err
+        created = set(self._bpf.uprobe_fds) - before
+        return created.pop().decode() if created else ""
 
-    def detach_uprobe(
-        self, path: str, *, pid: int, sym: str = "", addr: int = 0, retprobe: bool = False
-    ) -> None:
-        kwargs: dict[str, Any] = {"name": path.encode(), "pid": pid}
-        if addr:
-            kwargs["addr"] = addr
-        else:
-            kwargs["sym"] = sym.encode()
-        if retprobe:
-            self._bpf.detach_uretprobe(**kwargs)
-        else:
-            self._bpf.detach_uprobe(**kwargs)
+    def detach_uprobe_event(self, event: str) -> bool:
+        try:
+            self._bpf.detach_uprobe_event(event.encode())
+        except Exception:  # already gone
+            return False
+        return True
+
+    @property
+    def open_uprobes(self) -> int:
+        return len(self._bpf.uprobe_fds)
 
     # --- maps ----------------------------------------------------------------------
     def table(self, name: str) -> Table:

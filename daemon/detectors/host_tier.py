@@ -91,12 +91,12 @@ class HostTierEviction:
             hot = warm and rate > 0 and rate >= limit and bool(causes)
             cool = rate < limit / 2
             firing, changed = st.hysteresis.step(hot, cool, view.now)
-            if firing:
-                st.baseline.hold(view.now)
-                if changed:
-                    st.cause = causes[0] if causes else "reclaim"
+            if firing or hot:
+                st.baseline.hold(view.now)  # the baseline learns only what is normal
             else:
                 st.baseline.update(rate, view.now)
+            if firing and changed:
+                st.cause = causes[0] if causes else "reclaim"
             values = {
                 **m,
                 "baseline_bytes_per_second": st.baseline.value,

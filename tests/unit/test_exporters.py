@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.alerts import Alert
-from kvwatch.daemon.snapshot import ProbeView, ProcessView, Snapshot, TierView
+from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
+from kvwatch.probes.cuda import ApiCounters
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,6 +55,19 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 },
                 rates={},
                 gpu_used_bytes=80 * 2**30,
+                cuda=CudaView(
+                    apis={
+                        "cudaMalloc": ApiCounters(ok=2981, err=2, bytes=2981 * 20 * 2**20),
+                        "cudaFree": ApiCounters(ok=2980, bytes=2979 * 20 * 2**20, unknown=1),
+                        "cuMemCreate": ApiCounters(ok=18, bytes=18 * 2**21),
+                        "cuMemMap": ApiCounters(ok=18, bytes=18 * 2**21),
+                    },
+                    outstanding={"device": 20 * 2**20, "host": 0, "vmm": 18 * 2**21},
+                    failures={("cudaMalloc", 2): 2},
+                    symbols_attached=17,
+                    libraries=("/usr/lib/libcudart.so.12",),
+                    ucx_hooks=False,
+                ),
             ),
             ProcessView(
                 key="4243@78",
@@ -139,6 +153,10 @@ def test_contract_names_present() -> None:
         "kvwatch_oom_kills",
         "kvwatch_alert_active",
         "kvwatch_alerts_fired",
+        "kvwatch_cuda_alloc_calls",
+        "kvwatch_cuda_alloc_bytes",
+        "kvwatch_cuda_free_calls",
+        "kvwatch_cuda_outstanding_bytes",
     ):
         assert contract in names, contract
 
@@ -151,6 +169,13 @@ def test_parsed_values() -> None:
     assert ev == {"reclaim": 4096000.0, "policy": 28672.0}
     weird = [s for s in fams["kvwatch_watched_processes"].samples if s.labels["engine"].startswith("we")]
     assert weird[0].labels["engine"] == 'we"ird\\name\n'  # escaped on the wire, intact after parsing
+    calls = {(s.labels["api"], s.labels["result"]): s.value for s in fams["kvwatch_cuda_alloc_calls"].samples}
+    assert calls[("cudaMalloc", "ok")] == 2981 and calls[("cudaMalloc", "error")] == 2
+    assert calls[("cuMemAlloc", "ok")] == 0  # every API of an attached process is exported, from zero
+    out = {s.labels["kind"]: s.value for s in fams["kvwatch_cuda_outstanding_bytes"].samples}
+    assert out == {"device": 20 * 2**20, "host": 0, "vmm": 18 * 2**21}
+    (fail,) = fams["kvwatch_cuda_alloc_failures"].samples
+    assert fail.labels["code"] == "2" and fail.value == 2
     fired = {s.labels["alert"]: s.value for s in fams["kvwatch_alerts_fired"].samples}
     assert fired["KVHostTierEvictionUnderPressure"] == 1 and fired["KVEvictionBurst"] == 0
 

@@ -1,0 +1,194 @@
+"""KVCacheReuseCollapse: the CUDA caching allocator stopped reusing its blocks.
+
+Per process, over a trailing window: successful segment allocations per second
+(cudaMalloc, cudaMallocAsync, cuMemAlloc, cuMemAllocAsync, cuMemCreate) at least
+max(factor x baseline, floor), while memory churns instead of growing (bytes
+freed ≈ bytes allocated, or as many frees as allocations). Cause:
+``uncached`` (PYTORCH_NO_CUDA_MEMORY_CACHING in the environment), ``oom_retry``
+(a failed allocation followed by a burst of frees), ``empty_cache`` (frees in
+bursts, no failures), ``fragmentation`` (the rest, with 2/20 MiB segments).
+
+A second finding, CUDAMemoryGrowth, is the leak: the same call rate with net
+bytes rising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvwatch.daemon.config import ReuseCollapseConfig
+from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+
+ALERT = "KVCacheReuseCollapse"
+GROWTH = "CUDAMemoryGrowth"
+MIB = 1024 * 1024
+
+
+def allocator_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF as a dict (``backend:cudaMallocAsync,...``)."""
+    raw = environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF") or ""
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        key, sep, value = item.partition(":")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def caching_disabled(environ: Mapping[str, str]) -> bool:
+    return environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "").strip() not in ("", "0")
+
+
+@dataclass(slots=True)
+class _State:
+    baseline: Baseline
+    hysteresis: Hysteresis
+    growth: Hysteresis
+    warm_since: float | None = None
+    cause: str = ""
+
+
+class ReuseCollapse:
+    name = ALERT
+
+    def __init__(self, config: ReuseCollapseConfig) -> None:
+        self.config = config
+        self._state: dict[str, _State] = {}
+
+    def forget(self, subject_key: str) -> None:
+        self._state.pop(subject_key, None)
+
+    def _state_for(self, key: str) -> _State:
+        st = self._state.get(key)
+        if st is None:
+            c = self.config
+            st = self._state[key] = _State(
+                Baseline(c.baseline_half_life_seconds),
+                Hysteresis(c.confirm_windows, c.clear_windows),
+                Hysteresis(c.confirm_windows, c.clear_windows),
+            )
+        return st
+
+    def measure(self, p: ProcessWindow) -> dict[str, float]:
+        w = self.config.window_seconds
+        s = p.series
+        allocs = s.delta("cuda_alloc_calls", w)
+        frees = s.delta("cuda_free_calls", w)
+        alloc_bytes = s.delta("cuda_alloc_bytes", w)
+        freed_bytes = s.delta("cuda_freed_bytes", w)
+        return {
+            "alloc_calls_per_second": s.rate("cuda_alloc_calls", w),
+            "free_calls_per_second": s.rate("cuda_free_calls", w),
+            "alloc_calls": allocs,
+            "free_calls": frees,
+            "alloc_bytes": alloc_bytes,
+            "freed_bytes": freed_bytes,
+            "net_bytes_per_second": s.rate("cuda_alloc_bytes", w) - s.rate("cuda_freed_bytes", w),
+            "failures": s.delta("cuda_alloc_failures", w),
+            "frees_after_failure": s.delta("cuda_frees_after_failure", w),
+            "clustered_frees": s.delta("cuda_clustered_frees", w),
+            "segment_allocs": s.delta("cuda_seg_2m", w) + s.delta("cuda_seg_20m", w),
+        }
+
+    def churn(self, m: Mapping[str, float]) -> bool:
+        """Memory turns over instead of growing: freed ≈ allocated, by bytes or by calls
+        (frees of blocks allocated before kvwatch attached have no known size)."""
+        tol = self.config.churn_tolerance
+        a, f = m["alloc_bytes"], m["freed_bytes"]
+        by_bytes = a > 0 and abs(a - f) <= tol * a
+        ac, fc = m["alloc_calls"], m["free_calls"]
+        by_calls = ac > 0 and abs(ac - fc) <= tol * ac + 1
+        return by_bytes or by_calls
+
+    def cause(self, m: Mapping[str, float], environ: Mapping[str, str]) -> str:
+        if caching_disabled(environ):
+            return "uncached"
+        if m["failures"] > 0 and m["frees_after_failure"] > 0:
+            return "oom_retry"
+        if m["free_calls"] > 0 and m["clustered_frees"] >= 0.5 * m["free_calls"]:
+            return "empty_cache"
+        if m["alloc_calls"] > 0 and m["segment_allocs"] >= 0.5 * m["alloc_calls"]:
+            return "fragmentation"
+        return "unknown"
+
+    def warm(self, p: ProcessWindow, st: _State, now: float) -> bool:
+        """Past start-up: old enough, KV pool allocated when we can tell, and a baseline learnt
+        for a while (CUDA graph capture and torch.compile allocate a lot at first)."""
+        c = self.config
+        if p.age < c.warmup_seconds:
+            return False
+        pool = p.series.last("cuda_max_alloc")
+        total = p.series.last("gpu_device_total_bytes")
+        if c.require_kv_pool and total > 0 and pool < c.kv_pool_fraction * total:
+            return False
+        if st.warm_since is None:
+            st.warm_since = now
+        return now - st.warm_since >= c.baseline_min_seconds
+
+    def evaluate(self, view: NodeView) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        c = self.config
+        out: list[Finding] = []
+        for key, p in view.processes.items():
+            if "cuda_alloc_calls" not in p.series.series:
+                continue  # not a CUDA process (or not attached yet)
+            st = self._state_for(key)
+            m = self.measure(p)
+            rate = m["alloc_calls_per_second"]
+            limit = threshold(st.baseline.value, c.factor, c.floor_calls_per_second)
+            ready = self.warm(p, st, view.now)
+            churning = self.churn(m)
+            hot = ready and rate >= limit and churning
+            cool = rate < limit / 2
+            firing, changed = st.hysteresis.step(hot, cool, view.now)
+            growing = ready and rate >= limit and not churning and m["net_bytes_per_second"] > 0
+            grow_firing, _ = st.growth.step(growing, not growing, view.now)
+            if firing or grow_firing or hot or growing:
+                st.baseline.hold(view.now)  # the baseline learns only what is normal
+            elif st.warm_since is not None:
+                st.baseline.update(rate, view.now)
+            if firing and changed:
+                st.cause = self.cause(m, p.environ)
+            conf = allocator_settings(p.environ)
+            values = {
+                **m,
+                "baseline_calls_per_second": st.baseline.value,
+                "threshold_calls_per_second": limit,
+                "ratio_to_baseline": rate / st.baseline.value if st.baseline.value > 0 else 0.0,
+            }
+            backend = conf.get("backend", "native")
+            out.append(
+                Finding(
+                    alert=ALERT,
+                    subject=p.subject,
+                    firing=firing,
+                    cause=st.cause if firing else "",
+                    values=values,
+                    summary=(
+                        f"CUDA allocator of pid {p.subject.labels.get('pid', '?')} making {rate:.0f} "
+                        f"segment allocations/s (baseline {st.baseline.value:.1f}/s, "
+                        f"threshold {limit:.0f}/s) "
+                        f"while memory churns; frees {m['free_calls_per_second']:.0f}/s, "
+                        f"{m['failures']:.0f} failed, allocator backend {backend}"
+                    ),
+                    severity="warning",
+                )
+            )
+            out.append(
+                Finding(
+                    alert=GROWTH,
+                    subject=p.subject,
+                    firing=grow_firing,
+                    cause="leak" if grow_firing else "",
+                    values=values,
+                    summary=(
+                        f"GPU memory of pid {p.subject.labels.get('pid', '?')} growing "
+                        f"{m['net_bytes_per_second'] / MIB:.0f} MiB/s at {rate:.0f} allocations/s"
+                    ),
+                    severity="warning",
+                )
+            )
+        return out

@@ -1,0 +1,165 @@
+"""Building the immutable per-tick snapshot from the agent's state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView
+from kvwatch.probes.cuda import CUDA_APIS
+from kvwatch.probes.records import HookState
+
+if TYPE_CHECKING:
+    from kvwatch.daemon.agent import Agent
+    from kvwatch.daemon.tracker import Tracked
+
+RATE_WINDOW = 5.0
+TIER_TOTALS = (
+    "reclaim_bytes",
+    "policy_bytes",
+    "reclaim_pages",
+    "policy_pages",
+    "refault_pages",
+    "added_pages",
+)
+PROCESS_RATES = (
+    "page_free_pages",
+    "direct_reclaim_seconds",
+    "memcg_reclaim_seconds",
+    "cuda_alloc_calls",
+    "cuda_free_calls",
+)
+
+
+def process_labels(t: Tracked) -> dict[str, str]:
+    lab = t.proc.labels
+    return {
+        "pid": str(t.pid),
+        "engine": lab.engine,
+        "role": lab.role,
+        "component": lab.component,
+        "container": lab.container,
+        "pod": lab.pod,
+    }
+
+
+def _cuda_view(agent: Agent, t: Tracked) -> CudaView | None:
+    if agent.cuda_tracker is None:
+        return None
+    st = agent.cuda_tracker.state(t.pid)
+    if st is None:
+        return None
+    c = st.counters
+    return CudaView(
+        apis=dict(c.apis) if c else {},
+        outstanding=c.outstanding() if c else {"device": 0, "host": 0, "vmm": 0},
+        failures=st.failures,
+        symbols_attached=st.symbols_attached,
+        libraries=st.libraries,
+        ucx_hooks=st.ucx,
+    )
+
+
+def _probe_views(agent: Agent) -> list[ProbeView]:
+    sample = agent._sample
+    hits = sample.hits if sample else {}
+    views = [
+        ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
+        for s in agent.statuses
+    ]
+    if agent.cuda_tracker is not None:
+        states = agent.cuda_tracker.api_states()
+        any_attached = bool(agent.cuda_tracker.probes.attachments)
+        for api in CUDA_APIS:
+            state = states[api.label]
+            text = state.value if any_attached else "idle"  # no CUDA process watched yet
+            views.append(
+                ProbeView(
+                    api.label,
+                    "cuda",
+                    f"{api.lib}:{api.symbol}",
+                    text,
+                    False,
+                    agent.cuda_tracker.hits.get(api.label, 0),
+                )
+            )
+    elif agent.config.probes.cuda:
+        views += [
+            ProbeView(
+                a.label, "cuda", f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, agent.cuda_failure
+            )
+            for a in CUDA_APIS
+        ]
+    return views
+
+
+def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
+    sample = agent._sample
+    lost = dict(sample.lost) if sample else {}
+    lost.update(agent._lost_userspace)
+    lost["exec_hints_dropped"] = agent.tracker.stats.hints_dropped
+    if agent.cuda_tracker is not None:
+        lost.update(
+            {f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()}
+        )
+    gpu = agent.nvml.used_by_pid() if agent.nvml is not None else {}
+    procs = tuple(
+        ProcessView(
+            key=t.key,
+            pid=t.pid,
+            labels=process_labels(t),
+            source=t.proc.source,
+            alive=t.exited_at is None,
+            totals=dict(t.totals),
+            rates=t.series.rates(PROCESS_RATES, RATE_WINDOW),
+            gpu_used_bytes=gpu.get(t.pid),
+            cuda=_cuda_view(agent, t),
+        )
+        for t in agent.tracker.tracked()
+    )
+    tiers: list[TierView] = []
+    if agent.tiers is not None:
+        for tier in agent.tiers.tiers.values():
+            series = agent.tier_series.get(tier.tier_id, SeriesSet())
+            tiers.append(
+                TierView(
+                    key=f"tier:{tier.tier_id}",
+                    tier_id=tier.tier_id,
+                    name=tier.name,
+                    path=str(tier.path),
+                    source=tier.source,
+                    owners=tuple(sorted(t.pid for t in agent._tier_owners(tier))),
+                    files=len(tier.files),
+                    totals={n: series.last(n) for n in TIER_TOTALS},
+                    rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
+                )
+            )
+        if agent.tiers.stats.map_full:
+            lost["kv_inodes_full"] = agent.tiers.stats.map_full
+    errors = dict(agent.errors.counts)
+    errors["alert_sink"] = agent.alerts.sink_errors
+    watched: dict[str, int] = {}
+    for t in agent.tracker.tracked():
+        if t.exited_at is None:
+            watched[t.proc.labels.engine] = watched.get(t.proc.labels.engine, 0) + 1
+    reasons = agent.not_ready_reasons()
+    return Snapshot(
+        wall_time=agent.wall(),
+        monotonic=now,
+        tick=agent._tick,
+        ready=not reasons,
+        not_ready_reasons=reasons,
+        processes=procs,
+        tiers=tuple(tiers),
+        alerts=tuple(agent.alerts.active.values()),
+        alerts_fired=dict(agent.alerts.fired),
+        oom_kills=dict(agent.oom_kills),
+        probes=tuple(_probe_views(agent)),
+        lost=lost,
+        errors=errors,
+        watched_by_engine=watched,
+        label_overflow=agent.tracker.stats.label_overflow,
+        loop_seconds=loop_seconds,
+        psi_memory_some_avg10=agent.pressure.node(),
+        recent_alerts=tuple(agent.alerts.history[-50:]),
+    )

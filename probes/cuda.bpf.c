@@ -1,0 +1,250 @@
+/* kvwatch CUDA allocation probes (uprobe + uretprobe pairs).
+ *
+ * Hooks, attached per watched process with pid= to the exact libcudart.so.N /
+ * libcuda.so.1 file that process mapped (the loader passes the API table as
+ * the X-macro KVW_CUDA_APIS, so Python holds the single list):
+ *   runtime  cudaMalloc, cudaMallocAsync, cudaMallocHost, cudaHostAlloc, cudaHostRegister,
+ *            cudaFree, cudaFreeAsync, cudaFreeHost, cudaHostUnregister
+ *   driver   cuMemAlloc_v2, cuMemAllocAsync, cuMemFree_v2, cuMemFreeAsync,
+ *            cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap
+ *
+ * Success-aware: the entry stores the call's arguments by thread; the return
+ * counts it as ok only when the API returned 0, reads the pointer/handle the
+ * call wrote through its out-argument, and keeps pointer -> size in a ledger so
+ * frees carry bytes. A call made while another probed call is in flight on the
+ * same thread (cudaMalloc calling cuMemAlloc_v2 beneath it) is not counted again.
+ *
+ * Cost (bench/bench_cuda.py): ~1.0 us per probed call (uprobe + uretprobe and
+ * this code), ~1.7 us when the runtime call also hits a probed driver function
+ * beneath it; nothing for other processes (pid= filter). PyTorch's caching
+ * allocator calls these only on a cache miss. The loader probes just past a
+ * leading endbr64: single-stepping it would cost ~16 us per hit in a VM.
+ * Caveat: UCX's memory hooks patch the entry code of some driver functions; the
+ * loader leaves those driver symbols alone in processes that map libucm.
+ */
+#include "common.h"
+
+#ifndef MAX_LEDGER
+#define MAX_LEDGER 65536
+#endif
+#ifndef MAX_CUDA_PROCS
+#define MAX_CUDA_PROCS 1024
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 16
+#endif
+#ifndef LARGE_ALLOC_BYTES
+#define LARGE_ALLOC_BYTES (1ULL << 30)
+#endif
+#define STALE_INFLIGHT_NS (10ULL * 1000000000ULL)
+#define RETRY_WINDOW_NS (100ULL * 1000000ULL)
+#define FREE_CLUSTER_NS (1000000ULL)
+#define MIB (1024ULL * 1024ULL)
+
+/* ops (the loader uses the same numbers) */
+#define OP_ALLOC_OUT 1   /* allocation returned through a pointer argument */
+#define OP_REGISTER 2    /* caller's memory registered: the key is an input argument */
+#define OP_FREE 3        /* free / unregister / release by pointer or handle */
+#define OP_MAP 4         /* cuMemMap: bytes mapped, no ledger */
+#define OP_UNMAP 5       /* cuMemUnmap */
+
+struct inflight_t {
+    u64 start_ns;
+    u64 a;          /* out-pointer address, or the key for frees/registers */
+    u64 size;
+    u32 api;
+    u32 depth;      /* nested probed calls beneath this one */
+};
+/* A regular (preallocated) hash: an entry whose return never came is replaced
+ * after STALE_INFLIGHT_NS, and counted. */
+BPF_HASH(inflight, u64, struct inflight_t, 16384);
+
+struct api_key_t {
+    u32 tgid;
+    u32 api;
+};
+struct api_stats_t {
+    u64 ok;
+    u64 err;
+    u64 bytes;       /* allocated (alloc ops), freed with known size (free ops), mapped (map ops) */
+    u64 unknown;     /* frees of pointers the ledger never saw (allocated before we attached) */
+};
+BPF_PERCPU_HASH(api_stats, struct api_key_t, struct api_stats_t, MAX_CUDA_PROCS * 8);
+
+struct proc_cuda_t {
+    u64 last_fail_ns;
+    u64 last_free_ns;
+    u64 frees_after_failure;   /* frees within 100 ms of a failed allocation: the OOM-retry path */
+    u64 clustered_frees;       /* frees within 1 ms of the previous one: empty_cache() bursts */
+    u64 seg_2m;                /* allocations of exactly 2 MiB / 20 MiB: caching-allocator segments */
+    u64 seg_20m;
+    u64 max_alloc;             /* largest single allocation (the KV pool, for vLLM) */
+    u64 nested;                /* calls skipped because a probed call was already in flight */
+};
+BPF_HASH(proc_cuda, u32, struct proc_cuda_t, MAX_CUDA_PROCS);
+
+struct ledger_key_t {
+    u32 tgid;
+    u32 kind;
+    u64 ptr;
+};
+struct ledger_val_t {
+    u64 size;
+    u32 api;
+    u32 pad;
+};
+/* Preallocated: an insert on the allocation path must not allocate. */
+BPF_HASH(ledger, struct ledger_key_t, struct ledger_val_t, MAX_LEDGER);
+
+struct cuda_event_t {
+    u32 type;       /* 1 failed allocation, 2 large allocation */
+    u32 tgid;
+    u32 api;
+    s32 rc;
+    u64 size;
+    u64 ts_ns;
+};
+BPF_RINGBUF_OUTPUT(cuda_events, RINGBUF_PAGES);
+
+static __always_inline u64 kvw_arg(struct pt_regs *ctx, int n) {
+    switch (n) {
+    case 1: return PT_REGS_PARM1(ctx);
+    case 2: return PT_REGS_PARM2(ctx);
+    case 3: return PT_REGS_PARM3(ctx);
+    case 4: return PT_REGS_PARM4(ctx);
+    case 5: return PT_REGS_PARM5(ctx);
+    default: return 0;
+    }
+}
+
+static __always_inline int kvw_enter(struct pt_regs *ctx, u32 api, u32 hit, int ptr_arg, int size_arg) {
+    kvw_hit(hit);
+    u64 tid = bpf_get_current_pid_tgid();
+    u64 now = bpf_ktime_get_ns();
+    struct inflight_t *cur = inflight.lookup(&tid);
+    if (cur) {
+        if (now - cur->start_ns < STALE_INFLIGHT_NS) {
+            cur->depth += 1;    /* e.g. the driver call beneath cudaMalloc: counted once, above */
+            u32 tgid = tid >> 32;
+            struct proc_cuda_t zero = {};
+            struct proc_cuda_t *pc = proc_cuda.lookup_or_try_init(&tgid, &zero);
+            if (pc)
+                __sync_fetch_and_add(&pc->nested, 1);
+            return 0;
+        }
+        kvw_lost(KVW_LOST_STALE_INFLIGHT);  /* a return we never saw (longjmp, thread killed) */
+    }
+    struct inflight_t f = {};
+    f.start_ns = now;
+    f.api = api;
+    f.a = kvw_arg(ctx, ptr_arg);
+    f.size = size_arg ? kvw_arg(ctx, size_arg) : 0;
+    if (inflight.update(&tid, &f))
+        kvw_lost(KVW_LOST_INFLIGHT_FULL);
+    return 0;
+}
+
+static __always_inline void kvw_event(u32 type, u32 tgid, u32 api, s32 rc, u64 size) {
+    struct cuda_event_t *e = cuda_events.ringbuf_reserve(sizeof(struct cuda_event_t));
+    if (!e) {
+        kvw_lost(KVW_LOST_RINGBUF);
+        return;
+    }
+    e->type = type;
+    e->tgid = tgid;
+    e->api = api;
+    e->rc = rc;
+    e->size = size;
+    e->ts_ns = bpf_ktime_get_ns();
+    cuda_events.ringbuf_submit(e, 0);
+}
+
+static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
+    u64 tid = bpf_get_current_pid_tgid();
+    struct inflight_t *cur = inflight.lookup(&tid);
+    if (!cur)
+        return 0;
+    if (cur->depth > 0) {
+        cur->depth -= 1;
+        return 0;
+    }
+    struct inflight_t f = *cur;
+    inflight.delete(&tid);
+    u32 tgid = tid >> 32;
+    s32 rc = (s32)PT_REGS_RC(ctx);
+    u64 now = bpf_ktime_get_ns();
+
+    struct api_key_t k = {};
+    k.tgid = tgid;
+    k.api = f.api;
+    struct api_stats_t zero = {};
+    struct api_stats_t *s = api_stats.lookup_or_try_init(&k, &zero);
+    struct proc_cuda_t pzero = {};
+    struct proc_cuda_t *pc = proc_cuda.lookup_or_try_init(&tgid, &pzero);
+    if (!s || !pc) {
+        kvw_lost(KVW_LOST_STATS_FULL);
+        return 0;
+    }
+    if (rc != 0) {
+        s->err += 1;
+        if (op == OP_ALLOC_OUT || op == OP_REGISTER) {
+            pc->last_fail_ns = now;
+            kvw_event(1, tgid, f.api, rc, f.size);
+        }
+        return 0;
+    }
+    s->ok += 1;
+
+    struct ledger_key_t lk = {};
+    lk.tgid = tgid;
+    lk.kind = kind;
+    if (op == OP_ALLOC_OUT || op == OP_REGISTER) {
+        u64 ptr = f.a;
+        if (op == OP_ALLOC_OUT) {
+            ptr = 0;
+            bpf_probe_read_user(&ptr, sizeof(ptr), (void *)f.a);
+        }
+        s->bytes += f.size;
+        if (f.size == 2 * MIB)
+            pc->seg_2m += 1;
+        else if (f.size == 20 * MIB)
+            pc->seg_20m += 1;
+        if (f.size > pc->max_alloc)
+            pc->max_alloc = f.size;
+        if (f.size >= LARGE_ALLOC_BYTES)
+            kvw_event(2, tgid, f.api, 0, f.size);
+        lk.ptr = ptr;
+        struct ledger_val_t lv = {};
+        lv.size = f.size;
+        lv.api = f.api;
+        if (ptr && ledger.update(&lk, &lv))
+            kvw_lost(KVW_LOST_LEDGER_FULL);
+    } else if (op == OP_FREE) {
+        if (now - pc->last_fail_ns < RETRY_WINDOW_NS)
+            pc->frees_after_failure += 1;
+        if (now - pc->last_free_ns < FREE_CLUSTER_NS)
+            pc->clustered_frees += 1;
+        pc->last_free_ns = now;
+        lk.ptr = f.a;
+        if (!f.a)
+            return 0;   /* cudaFree(NULL): a no-op (or context creation), nothing freed */
+        struct ledger_val_t *lv = ledger.lookup(&lk);
+        if (lv) {
+            s->bytes += lv->size;
+            ledger.delete(&lk);
+        } else {
+            s->unknown += 1;
+        }
+    } else {
+        s->bytes += f.size;   /* map / unmap: the size argument */
+    }
+    return 0;
+}
+
+/* One entry and one return function per API, from the loader's table:
+ * X(name, api index, hit index, op, kind, pointer argument, size argument). */
+#define X(NAME, API, HIT, OP, KIND, PTR_ARG, SIZE_ARG)                                   \
+    int kvw_enter_##NAME(struct pt_regs *ctx) { return kvw_enter(ctx, API, HIT, PTR_ARG, SIZE_ARG); } \
+    int kvw_return_##NAME(struct pt_regs *ctx) { return kvw_return(ctx, OP, KIND); }
+KVW_CUDA_APIS
+#undef X

@@ -1,0 +1,128 @@
+"""`kvwatch run` with CUDA probes: metrics and KVCacheReuseCollapse with each cause, from the stub runtime."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvwatch.daemon.stublib import build
+
+from tests.privileged.helpers import Child, DaemonProcess, daemon, wait_until
+
+CONFIG = r"""
+[daemon]
+tick_seconds = 0.5
+[discovery]
+interval_seconds = 0.5
+rules = [{ engine = "stubengine", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+cuda\b' }]
+[probes]
+cuda_rescan_seconds = 1
+[detectors.reuse_collapse]
+warmup_seconds = 0.5
+baseline_min_seconds = 2
+window_seconds = 2
+confirm_windows = 2
+clear_windows = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("stubcuda")
+    build(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def kvw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    with daemon(tmp_path_factory.mktemp("kvw"), CONFIG) as d:
+        yield d
+
+
+def attached(d: DaemonProcess, pid: int) -> bool:
+    return d.value("kvwatch_cuda_probes_attached", pid=str(pid)) > 0
+
+
+def alert(d: DaemonProcess, pid: int, name: str = "KVCacheReuseCollapse") -> dict[str, str] | None:
+    for lab, v in d.metrics().get("kvwatch_alert_active", []):
+        if lab["alert"] == name and lab["pid"] == str(pid) and v == 1:
+            return lab
+    return None
+
+
+def scenario(
+    d: DaemonProcess,
+    stub: Path,
+    pattern: str,
+    rate: int,
+    expect: str | None,
+    name: str = "KVCacheReuseCollapse",
+) -> None:
+    with Child("cuda", "--lib-dir", str(stub)) as w:
+        w.expect("ready")
+        wait_until(lambda: attached(d, w.pid), 10, "CUDA probes attached")
+        w.step(
+            "cached 1 3.5", "done", timeout=30
+        )  # warm-up and a quiet baseline: every tensor from the cache
+        assert alert(d, w.pid, name) is None
+        t0 = time.monotonic()
+        w.send(f"{pattern} {rate} 6")
+        if expect is None:
+            time.sleep(4)
+            assert alert(d, w.pid, name) is None, f"{pattern} alerted"
+        else:
+            wait_until(lambda: alert(d, w.pid, name) is not None, 6, f"{name} for {pattern}")
+            lab = alert(d, w.pid, name)
+            assert lab is not None and lab["cause"] == expect and lab["engine"] == "stubengine"
+            assert time.monotonic() - t0 < 4.5  # within a few seconds of onset
+        w.expect("done", timeout=30)
+
+
+def test_metrics_from_the_stub(kvw: DaemonProcess, stub: Path) -> None:
+    with Child("cuda", "--lib-dir", str(stub), "--prealloc", "0") as w:
+        w.expect("ready")
+        wait_until(lambda: attached(kvw, w.pid), 10, "CUDA probes attached")
+        w.step("emptycache 100 1", "done", timeout=30)
+        w.step("expandable 100 0.5", "done", timeout=30)
+        time.sleep(1.2)
+        pid = str(w.pid)
+        mallocs = kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cudaMalloc", result="ok")
+        assert mallocs > 0 and mallocs % 6 == 0
+        assert kvw.value("kvwatch_cuda_free_calls_total", pid=pid, api="cudaFree", result="ok") == mallocs
+        assert kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemAlloc", result="ok") == 0
+        assert (
+            kvw.value("kvwatch_cuda_alloc_bytes_total", pid=pid, api="cudaMalloc") == mallocs / 2 * 22 * 2**20
+        )
+        assert kvw.value("kvwatch_cuda_outstanding_bytes", pid=pid, kind="device") == 0
+        assert kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemCreate", result="ok") > 0
+        assert kvw.value("kvwatch_cuda_vmm_map_calls_total", pid=pid, api="cuMemMap") > 0
+        assert kvw.value("kvwatch_probe_hits_total", family="cuda", probe="cudaMalloc") >= mallocs
+    wait_until(lambda: kvw.value("kvwatch_cuda_probes_attached", pid=pid) == 0, 10, "detached after exit")
+
+
+def test_empty_cache_collapse(kvw: DaemonProcess, stub: Path) -> None:
+    scenario(kvw, stub, "emptycache", 40, "empty_cache")
+
+
+def test_uncached_collapse(kvw: DaemonProcess, stub: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    scenario(kvw, stub, "uncached", 200, "uncached")
+
+
+def test_oom_retry_collapse(kvw: DaemonProcess, stub: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVWSTUB_CAPACITY", str(200 * 2**20))
+    scenario(kvw, stub, "oomretry", 200, "oom_retry")
+
+
+def test_fragmentation_collapse(kvw: DaemonProcess, stub: Path) -> None:
+    scenario(kvw, stub, "fragmentation", 200, "fragmentation")
+
+
+def test_cached_stays_silent(kvw: DaemonProcess, stub: Path) -> None:
+    scenario(kvw, stub, "cached", 200, None)
+
+
+def test_growth_is_reported_as_growth(kvw: DaemonProcess, stub: Path) -> None:
+    scenario(kvw, stub, "growth", 100, "leak", name="CUDAMemoryGrowth")

@@ -1,0 +1,139 @@
+"""KVCacheReuseCollapse and CUDAMemoryGrowth on synthetic per-process series."""
+
+from __future__ import annotations
+
+from kvwatch.daemon.config import ReuseCollapseConfig
+from kvwatch.daemon.detectors.base import Subject
+from kvwatch.daemon.detectors.reuse_collapse import ALERT, GROWTH, ReuseCollapse, allocator_settings
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.series import SeriesSet
+
+MIB = 1024 * 1024
+FIELDS = (
+    "cuda_alloc_calls",
+    "cuda_free_calls",
+    "cuda_alloc_bytes",
+    "cuda_freed_bytes",
+    "cuda_alloc_failures",
+    "cuda_frees_after_failure",
+    "cuda_clustered_frees",
+    "cuda_seg_2m",
+    "cuda_seg_20m",
+    "cuda_max_alloc",
+    "gpu_device_total_bytes",
+)
+
+
+class Proc:
+    def __init__(
+        self, config: ReuseCollapseConfig, environ: dict[str, str] | None = None, age: float = 1000.0
+    ) -> None:
+        self.det = ReuseCollapse(config)
+        self.series = SeriesSet()
+        self.tot = dict.fromkeys(FIELDS, 0.0)
+        self.t = 0.0
+        self.age = age
+        self.environ = environ or {}
+
+    def step(
+        self,
+        allocs: float = 0,
+        frees: float | None = None,
+        size: int = 20 * MIB,
+        failures: float = 0,
+        after_fail: float = 0,
+        clustered: float = 0,
+        freed_size: int | None = None,
+        pool: float = 60e9,
+    ) -> dict[str, object]:
+        frees = allocs if frees is None else frees
+        self.t += 1
+        self.tot["cuda_alloc_calls"] += allocs
+        self.tot["cuda_free_calls"] += frees
+        self.tot["cuda_alloc_bytes"] += allocs * size
+        self.tot["cuda_freed_bytes"] += frees * (size if freed_size is None else freed_size)
+        self.tot["cuda_alloc_failures"] += failures
+        self.tot["cuda_frees_after_failure"] += after_fail
+        self.tot["cuda_clustered_frees"] += clustered
+        self.tot["cuda_seg_20m" if size == 20 * MIB else "cuda_seg_2m"] += (
+            allocs if size in (2 * MIB, 20 * MIB) else 0
+        )
+        self.tot["cuda_max_alloc"] = max(self.tot["cuda_max_alloc"], pool)
+        self.tot["gpu_device_total_bytes"] = 140e9
+        self.series.add(self.t, dict(self.tot))
+        pw = ProcessWindow(Subject("p", {"pid": "1"}), self.age + self.t, self.series, environ=self.environ)
+        out = {f.alert: f for f in self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))}
+        return out
+
+
+def cfg(**kw: object) -> ReuseCollapseConfig:
+    return ReuseCollapseConfig.model_validate(
+        {
+            "warmup_seconds": 0,
+            "baseline_min_seconds": 5,
+            "window_seconds": 2,
+            "confirm_windows": 2,
+            "clear_windows": 3,
+            **kw,
+        }
+    )
+
+
+def run(p: Proc, n: int, **kw: object) -> list[bool]:
+    return [p.step(**kw)[ALERT].firing for _ in range(n)]  # type: ignore[attr-defined]
+
+
+def test_empty_cache_collapse_fires_with_cause() -> None:
+    p = Proc(cfg())
+    assert not any(run(p, 20, allocs=0.5))  # a cache that mostly hits: baseline ~0.5/s
+    fired = run(p, 6, allocs=300, clustered=280)
+    assert fired.index(True) == 1
+    assert p.step(allocs=300, clustered=280)[ALERT].cause == "empty_cache"  # type: ignore[attr-defined]
+
+
+def test_causes() -> None:
+    p = Proc(cfg(), environ={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+    run(p, 10, allocs=0.2)
+    assert any(run(p, 4, allocs=200)) and p.step(allocs=200)[ALERT].cause == "uncached"  # type: ignore[attr-defined]
+    p = Proc(cfg())
+    run(p, 10, allocs=0.2)
+    run(p, 4, allocs=100, failures=3, after_fail=90)
+    assert p.step(allocs=100, failures=3, after_fail=90)[ALERT].cause == "oom_retry"  # type: ignore[attr-defined]
+    p = Proc(cfg())
+    run(p, 10, allocs=0.2)
+    run(p, 4, allocs=100, size=2 * MIB)
+    assert p.step(allocs=100, size=2 * MIB)[ALERT].cause == "fragmentation"  # type: ignore[attr-defined]
+
+
+def test_growth_is_a_leak_not_a_collapse() -> None:
+    p = Proc(cfg())
+    run(p, 10, allocs=0.2)
+    out = [p.step(allocs=100, frees=0) for _ in range(5)]
+    assert not any(o[ALERT].firing for o in out)  # type: ignore[attr-defined]
+    assert any(o[GROWTH].firing for o in out)  # type: ignore[attr-defined]
+
+
+def test_floor_and_warmup_and_kv_pool() -> None:
+    p = Proc(cfg())
+    assert not any(run(p, 30, allocs=15))  # churn, but under the 20/s floor
+    p = Proc(cfg(warmup_seconds=120), age=0)
+    assert not any(run(p, 60, allocs=500))  # start-up: graph capture, torch.compile
+    p = Proc(cfg())
+    assert not any(run(p, 30, allocs=500, pool=1e9))  # no KV pool yet (1 GB of a 140 GB device)
+
+
+def test_baseline_of_async_backend() -> None:
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,expandable_segments:False"}
+    assert allocator_settings(env) == {"backend": "cudaMallocAsync", "expandable_segments": "False"}
+    p = Proc(cfg(baseline_half_life_seconds=20), environ=env)
+    assert not any(run(p, 120, allocs=400))  # a call per tensor is its normal
+    assert not any(run(p, 5, allocs=1200))  # 3x its own baseline is not a collapse
+    assert any(run(p, 5, allocs=8000))
+
+
+def test_clears_after_recovery() -> None:
+    p = Proc(cfg())
+    run(p, 10, allocs=0.2)
+    assert any(run(p, 5, allocs=300, clustered=250))
+    states = run(p, 8, allocs=0.2)
+    assert states[-1] is False
