@@ -225,8 +225,8 @@ class SnapshotCollector(Collector):
             attached.add_metric(v, p.cuda.symbols_attached)
             for kind, n in sorted(p.cuda.outstanding.items()):
                 outstanding.add_metric([*v, kind], n)
-            for (api, code), n in sorted(p.cuda.failures.items()):
-                failures.add_metric([*v, api, str(code)], n)
+            for (label, code), n in sorted(p.cuda.failures.items()):
+                failures.add_metric([*v, label, str(code)], n)
             for api in CUDA_APIS:
                 c = p.cuda.apis.get(api.label) or ApiCounters()
                 if api.is_alloc:
