@@ -134,6 +134,7 @@ class Agent:
         self._published = _Published(Snapshot.empty())
         self._lost_userspace = {"malformed_events": 0}
         self._device_totals = nvml.device_memory_total() if nvml is not None else []
+        self.gpu_used: dict[int, int] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -343,12 +344,18 @@ class Agent:
             self.cuda_tracker.ingest()
 
     def _ingest(self, now: float) -> None:
+        if self.nvml is not None:
+            try:
+                self.gpu_used = self.nvml.used_by_pid()
+            except Exception as err:
+                self.errors.record("nvml", "NVML query failed", err)
         if self.cuda_tracker is not None:
             device_total = float(max(self._device_totals, default=0))
             for t in self.tracker.tracked():
                 cuda = self.cuda_tracker.series(t.pid)
                 if cuda is not None:
                     cuda["gpu_device_total_bytes"] = device_total
+                    cuda["gpu_used_bytes"] = float(self.gpu_used.get(t.pid, 0))
                     t.series.add(now, cuda)
         if self.memory is None:
             return

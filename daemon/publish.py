@@ -102,7 +102,7 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         lost.update(
             {f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()}
         )
-    gpu = agent.nvml.used_by_pid() if agent.nvml is not None else {}
+    gpu = agent.gpu_used
     procs = tuple(
         ProcessView(
             key=t.key,

@@ -119,7 +119,8 @@ class ReuseCollapse:
         c = self.config
         if p.age < c.warmup_seconds:
             return False
-        pool = p.series.last("cuda_max_alloc")
+        # the KV pool: one allocation we saw, or (allocated before we attached) NVML's view
+        pool = max(p.series.last("cuda_max_alloc"), p.series.last("gpu_used_bytes"))
         total = p.series.last("gpu_device_total_bytes")
         if c.require_kv_pool and total > 0 and pool < c.kv_pool_fraction * total:
             return False

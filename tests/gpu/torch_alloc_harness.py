@@ -1,0 +1,53 @@
+"""The allocator workload of ../shared/gpu/torch_alloc_workload.py, made watchable.
+
+    python3 torch_alloc_harness.py MODE [--steps N] [--sleep S] [--pool-fraction F] [--tag T]
+
+Same modes and loop (cached, emptycache, nocache, expandable). Differences, so a
+monitor's counts can be compared exactly: it creates the CUDA context and a
+"KV pool" tensor first (like an engine at start-up), prints "ready" with
+PyTorch's counters, waits for a line on stdin (the monitor attaches meanwhile),
+runs the loop, and prints one JSON line with the deltas of PyTorch's own
+counters over exactly the loop: segment.all.allocated / segment.all.freed are
+the cudaMalloc / cudaFree calls the caching allocator made.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("mode", choices=["cached", "emptycache", "nocache", "expandable"])
+p.add_argument("--steps", type=int, default=200)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--pool-fraction", type=float, default=0.15)
+p.add_argument("--tag", default="")
+a = p.parse_args()
+
+KEYS = ("segment.all.allocated", "segment.all.freed", "num_alloc_retries", "allocation.all.allocated")
+torch.cuda.init()
+torch.empty(1, device="cuda")  # context
+total = torch.cuda.get_device_properties(0).total_memory
+pool = torch.empty(int(total * a.pool_fraction), dtype=torch.uint8, device="cuda")  # the "KV pool"
+torch.cuda.synchronize()
+before = torch.cuda.memory_stats()
+print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+sys.stdin.readline()
+t0 = time.time()
+sizes = [(1 << 20) * (1 + (i * 7) % 23) for i in range(200)]
+for step in range(a.steps):
+    tensors = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes[step % 50 : step % 50 + 20]]
+    del tensors
+    if a.mode == "emptycache":
+        torch.cuda.empty_cache()
+    if a.sleep:
+        time.sleep(a.sleep)
+torch.cuda.synchronize()
+seconds = time.time() - t0
+after = torch.cuda.memory_stats()
+delta = {k: after.get(k, 0) - before.get(k, 0) for k in KEYS}
+print(json.dumps({"pid": os.getpid(), "mode": a.mode, "seconds": round(seconds, 4), **delta}), flush=True)
+sys.stdin.readline()  # stay alive until the monitor has read its counters
