@@ -59,6 +59,7 @@ def main() -> None:
         ["gcc", "-O2", "-o", str(exe), str(ROOT / "bench" / "cuda_loop.c"), "-ldl"],
         capture_output=True,
         text=True,
+        check=False,
     )
     if cc.returncode != 0:
         report["bench"] = f"gcc failed: {cc.stderr[-500:]}"
