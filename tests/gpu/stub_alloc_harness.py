@@ -24,6 +24,7 @@ counts = {
     "segment.all.freed": 0,
     "num_alloc_retries": 0,
     "allocation.all.allocated": 0,
+    "reserved_bytes.all.current": 0,
 }
 
 
@@ -49,8 +50,20 @@ for step in range(a.steps):
         drv.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(2 << 20), None, ctypes.c_ulonglong(0))
     if a.sleep:
         time.sleep(a.sleep)
+total = {f"total.{k}": v + (4 if k == "segment.all.allocated" else 0) for k, v in counts.items()}
+if a.mode == "nocache":
+    counts["segment.all.allocated"] = counts["segment.all.freed"] = 0  # like PyTorch: no statistics uncached
 print(
-    json.dumps({"pid": os.getpid(), "mode": a.mode, "seconds": round(time.time() - t0, 4), **counts}),
+    json.dumps(
+        {
+            "pid": os.getpid(),
+            "mode": a.mode,
+            "seconds": round(time.time() - t0, 4),
+            "tensors": 20 * a.steps,
+            **counts,
+            **total,
+        }
+    ),
     flush=True,
 )
 sys.stdin.readline()

@@ -170,71 +170,147 @@ def wait_for(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     return False
 
 
+COUNTERS = {
+    "malloc": ("kvwatch_cuda_alloc_calls_total", "cudaMalloc", "ok"),
+    "malloc_err": ("kvwatch_cuda_alloc_calls_total", "cudaMalloc", "error"),
+    "free": ("kvwatch_cuda_free_calls_total", "cudaFree", "ok"),
+    "create": ("kvwatch_cuda_alloc_calls_total", "cuMemCreate", "ok"),
+    "release": ("kvwatch_cuda_free_calls_total", "cuMemRelease", "ok"),
+    "cumemalloc": ("kvwatch_cuda_alloc_calls_total", "cuMemAlloc", "ok"),
+    "malloc_bytes": ("kvwatch_cuda_alloc_bytes_total", "cudaMalloc", ""),
+    "free_bytes": ("kvwatch_cuda_freed_bytes_total", "cudaFree", ""),
+    "create_bytes": ("kvwatch_cuda_alloc_bytes_total", "cuMemCreate", ""),
+    "release_bytes": ("kvwatch_cuda_freed_bytes_total", "cuMemRelease", ""),
+    "map_calls": ("kvwatch_cuda_vmm_map_calls_total", "cuMemMap", ""),
+    "free_unknown": ("kvwatch_cuda_free_unknown_total", "cudaFree", ""),
+}
+
+
+def read_counters(kvw: Kvwatch, pid: int) -> dict[str, float]:
+    samples = kvw.samples()
+    out = {}
+    for key, (name, api, result) in COUNTERS.items():
+        out[key] = sum(
+            v
+            for n, lab, v in samples
+            if n == name
+            and lab.get("pid") == str(pid)
+            and lab.get("api") == api
+            and (not result or lab.get("result") == result)
+        )
+    return out
+
+
 def validate_mode(kvw: Kvwatch, args: argparse.Namespace, mode: str) -> dict[str, object]:
     h = Harness(args.backend, mode, "watched", args.steps, args.sleep, args.stub)
     attached = wait_for(lambda: kvw.value("kvwatch_cuda_probes_attached", pid=str(h.pid)) > 0, 30)
     time.sleep(args.quiet)  # the quiet baseline
-    torch_counts = h.go()
+    c0 = read_counters(kvw, h.pid)  # nothing allocates between this read and "go"
+    t = h.go()
     time.sleep(1.5)  # a tick publishes the last calls
-    pid = str(h.pid)
-
-    def calls(api: str, result: str = "ok", fam: str = "kvwatch_cuda_alloc_calls_total") -> float:
-        return kvw.value(fam, pid=pid, api=api, result=result)
-
+    c1 = read_counters(kvw, h.pid)
+    d = {k: c1[k] - c0[k] for k in c1}
     alerts = kvw.alerts(h.pid)
     row: dict[str, object] = {
         "mode": mode,
         "pid": h.pid,
         "attached": attached,
-        "torch_segment_allocated": torch_counts["segment.all.allocated"],
-        "torch_segment_freed": torch_counts["segment.all.freed"],
-        "torch_alloc_retries": torch_counts["num_alloc_retries"],
-        "kvwatch_cudaMalloc_ok": calls("cudaMalloc"),
-        "kvwatch_cudaMalloc_error": calls("cudaMalloc", "error"),
-        "kvwatch_cudaFree_ok": calls("cudaFree", fam="kvwatch_cuda_free_calls_total"),
-        "kvwatch_cuMemCreate_ok": calls("cuMemCreate"),
-        "kvwatch_cuMemRelease_ok": calls("cuMemRelease", fam="kvwatch_cuda_free_calls_total"),
-        "kvwatch_cuMemMap": kvw.value("kvwatch_cuda_vmm_map_calls_total", pid=pid, api="cuMemMap"),
-        "kvwatch_cuMemAlloc_ok": calls("cuMemAlloc"),
-        "outstanding_device": kvw.value("kvwatch_cuda_outstanding_bytes", pid=pid, kind="device"),
+        "torch": {k: v for k, v in t.items() if k not in ("pid", "mode")},
+        "kvwatch_delta": d,
+        "kvwatch_total": c1,
         "alerts": [(a["alert"], a["cause"]) for a in alerts],
-        "loop_seconds": torch_counts["seconds"],
+        "loop_seconds": t["seconds"],
     }
+    seg_a, seg_f = t["segment.all.allocated"], t["segment.all.freed"]
+    reserved = t["reserved_bytes.all.current"]
+    checks: dict[str, bool] = {}
+    if mode in ("cached", "emptycache"):
+        checks["cudaMalloc == segment.all.allocated"] = d["malloc"] == seg_a
+        checks["cudaFree == segment.all.freed"] = d["free"] == seg_f
+        if d["free_unknown"] == 0:
+            checks["malloc bytes - freed bytes == reserved bytes"] = (
+                d["malloc_bytes"] - d["free_bytes"] == reserved
+            )
+        else:  # empty_cache freed a segment allocated before kvwatch attached: its size is unknown
+            checks["malloc bytes - known freed bytes >= reserved bytes"] = (
+                d["malloc_bytes"] - d["free_bytes"] >= reserved
+            )
+    elif mode == "nocache":
+        checks["cudaMalloc == tensors"] = d["malloc"] == t["tensors"]
+        checks["cudaFree == tensors"] = d["free"] == t["tensors"]
+    elif mode == "expandable":
+        checks["no cudaMalloc"] = d["malloc"] == 0
+        checks["cuMemCreate seen"] = d["create"] > 0
+        checks["cuMemCreate bytes - cuMemRelease bytes == reserved bytes"] = (
+            d["create_bytes"] - d["release_bytes"] == reserved
+        )
+    checks["no failed cudaMalloc"] = d["malloc_err"] == 0
+    row["checks"] = checks
+    row["counts_match"] = all(checks.values())
     expected_cause = MODES[mode][1]
     collapse = [c for a, c in row["alerts"] if a == "KVCacheReuseCollapse"]  # type: ignore[union-attr]
-    if mode == "expandable":
-        row["counts_match"] = row["kvwatch_cudaMalloc_ok"] == 0 and float(row["kvwatch_cuMemCreate_ok"]) > 0
-    else:
-        row["counts_match"] = (
-            row["kvwatch_cudaMalloc_ok"] == row["torch_segment_allocated"]
-            and row["kvwatch_cudaFree_ok"] == row["torch_segment_freed"]
-        )
     row["alert_ok"] = (collapse == [expected_cause]) if expected_cause else not collapse
     h.finish()
     return row
 
 
-def overhead(kvw: Kvwatch, args: argparse.Namespace) -> dict[str, object]:
+def overhead(args: argparse.Namespace) -> dict[str, object]:
+    """The loop's wall time with the CUDA probes attached vs detached, alternating
+    round by round inside one unwatched harness process (same GPU state, same
+    process), so that the difference is the probes' and not a new process's."""
+    from kvwatch.probes.cuda import CudaProbes
+
+    probes = CudaProbes()
+    probes.start()
     out: dict[str, object] = {}
-    for mode in ("cached", "emptycache"):
-        on: list[float] = []
-        off: list[float] = []
-        for _ in range(args.rounds):
-            for tag, bucket in (("watched", on), ("unwatched", off)):
-                h = Harness(args.backend, mode, tag, args.steps, 0.0, args.stub)
-                if tag == "watched":
-                    wait_for(lambda h=h: kvw.value("kvwatch_cuda_probes_attached", pid=str(h.pid)) > 0, 30)
-                else:
-                    time.sleep(1.0)  # same pause, nobody attaches
-                bucket.append(float(h.go()["seconds"]))
-                h.finish()
-        out[mode] = {
-            "watched_seconds": on,
-            "unwatched_seconds": off,
-            "median_watched": statistics.median(on),
-            "median_unwatched": statistics.median(off),
-            "slowdown_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
-        }
+    try:
+        for mode in ("cached", "emptycache"):
+            env, _ = MODES[mode]
+            cmd = [
+                sys.executable,
+                str(HERE / "torch_alloc_harness.py"),
+                mode,
+                "--steps",
+                str(args.overhead_steps),
+                "--tag",
+                "unwatched",
+                "--rounds",
+                str(2 * args.rounds + 1),
+            ]
+            p = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env(env)
+            )
+            assert p.stdin is not None and p.stdout is not None
+            p.stdout.readline()
+            on: list[float] = []
+            off: list[float] = []
+            calls = 0
+            for r in range(2 * args.rounds + 1):
+                watched = r % 2 == 1
+                if watched:
+                    probes.attach(p.pid)
+                p.stdin.write("\n")
+                p.stdin.flush()
+                seconds = float(json.loads(p.stdout.readline())["seconds"])
+                if watched:
+                    c = probes.sample().processes.get(p.pid)
+                    calls += c.alloc_calls(("cudaMalloc",)) if c else 0
+                    probes.detach(p.pid)
+                    on.append(seconds)
+                elif r > 0:  # round 0 warms the process up
+                    off.append(seconds)
+            p.wait(60)
+            out[mode] = {
+                "attached_seconds": on,
+                "detached_seconds": off,
+                "median_attached": statistics.median(on),
+                "median_detached": statistics.median(off),
+                "slowdown_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
+                "slowdown_pct_of_minima": 100 * (min(on) / min(off) - 1),
+                "cudaMalloc_calls_counted_while_attached": calls,
+            }
+    finally:
+        probes.close()
     return out
 
 
@@ -247,6 +323,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.01)
     ap.add_argument("--quiet", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--overhead-steps", type=int, default=2000)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     kvw = Kvwatch(args.out)
@@ -260,26 +337,38 @@ def main() -> None:
             row = validate_mode(kvw, args, mode)
             print(json.dumps(row), flush=True)
             results["modes"].append(row)  # type: ignore[attr-defined]
-        results["overhead"] = overhead(kvw, args)
-        print(json.dumps(results["overhead"]), flush=True)
+        results["kvwatch_exit_code"] = kvw.stop()  # its NVML discovery would watch the overhead harness too
+        if args.backend == "torch":
+            results["overhead"] = overhead(args)
+        print(json.dumps(results.get("overhead")), flush=True)
     finally:
-        results["kvwatch_exit_code"] = kvw.stop()
+        if kvw.proc.poll() is None:
+            results["kvwatch_exit_code"] = kvw.stop()
     (args.out / "cuda_validation.json").write_text(json.dumps(results, indent=2))
     lines = [
-        "| mode | PyTorch cudaMalloc / cudaFree | kvwatch cudaMalloc / cudaFree | cuMemCreate | match | alerts | alert ok |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | PyTorch segments alloc / freed (tensors) | kvwatch cudaMalloc / cudaFree | cuMemCreate | "
+        "reserved bytes (PyTorch / kvwatch) | checks | alerts | alert ok |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results["modes"]:  # type: ignore[attr-defined]
+        t, d = r["torch"], r["kvwatch_delta"]
+        net = (
+            d["create_bytes"] - d["release_bytes"]
+            if r["mode"] == "expandable"
+            else d["malloc_bytes"] - d["free_bytes"]
+        )
         lines.append(
-            f"| {r['mode']} | {r['torch_segment_allocated']:.0f} / {r['torch_segment_freed']:.0f} | "
-            f"{r['kvwatch_cudaMalloc_ok']:.0f} / {r['kvwatch_cudaFree_ok']:.0f} | {r['kvwatch_cuMemCreate_ok']:.0f} | "
-            f"{r['counts_match']} | {r['alerts']} | {r['alert_ok']} |"
+            f"| {r['mode']} | {t['segment.all.allocated']:.0f} / {t['segment.all.freed']:.0f} ({t['tensors']}) | "
+            f"{d['malloc']:.0f} / {d['free']:.0f} | {d['create']:.0f} | {t['reserved_bytes.all.current']:.0f} / {net:.0f} | "
+            f"{'all pass' if r['counts_match'] else r['checks']} | {r['alerts']} | {r['alert_ok']} |"
         )
     lines.append("")
-    for mode, o in results["overhead"].items():  # type: ignore[union-attr]
+    for mode, o in results.get("overhead", {}).items():  # type: ignore[union-attr]
         lines.append(
-            f"overhead {mode}: watched {o['median_watched']:.3f} s vs unwatched {o['median_unwatched']:.3f} s "
-            f"({o['slowdown_pct']:+.2f} %), rounds {o['watched_seconds']} / {o['unwatched_seconds']}"
+            f"overhead {mode}: probes attached {o['median_attached']:.4f} s vs detached {o['median_detached']:.4f} s "
+            f"({o['slowdown_pct']:+.2f} %; of the fastest rounds {o['slowdown_pct_of_minima']:+.2f} %) "
+            f"over {len(o['attached_seconds'])} alternating rounds; "
+            f"attached {o['attached_seconds']} detached {o['detached_seconds']}"
         )
     (args.out / "cuda_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
