@@ -129,7 +129,7 @@ class ProbesConfig(_Section):
     ringbuf_pages: Annotated[int, Field(ge=1)] = 64
     max_evicted_pages_tracked: Annotated[int, Field(ge=1024)] = 131072
     cuda: bool = True
-    cuda_driver_api: bool = True
+    cuda_driver_api: Literal["auto", "all", "off"] = "auto"
     cuda_rescan_seconds: PositiveFloat = 5.0
     cuda_max_ledger: Annotated[int, Field(ge=1024)] = 65536
 

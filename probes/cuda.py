@@ -49,6 +49,11 @@ class CudaApi:
     ucx_patched: bool = False  # UCX's memory hooks rewrite this driver function's entry
 
     @property
+    def beneath_runtime(self) -> bool:
+        """A driver call that a runtime allocation makes underneath (cudaMalloc -> cuMemAlloc_v2)."""
+        return self.lib == "cuda" and self.op in (OP_ALLOC_OUT, OP_FREE) and self.kind == "device"
+
+    @property
     def is_alloc(self) -> bool:
         return self.op in (OP_ALLOC_OUT, OP_REGISTER)
 
@@ -167,6 +172,7 @@ class ProcessAttachment:
     events: list[str] = field(default_factory=list)
     symbols: list[SymbolAttach] = field(default_factory=list)
     ucx: bool = False
+    runtime: bool = False  # maps a libcudart
 
     @property
     def attached(self) -> int:
@@ -208,7 +214,11 @@ class CudaProbeOptions:
     max_processes: int = 1024
     ringbuf_pages: int = 16
     large_alloc_bytes: int = 1 << 30
-    driver_api: bool = True  # also probe libcuda (skipped per process when UCX hooks are present)
+    # libcuda too: "all"; "auto" leaves out the driver's plain allocation calls
+    # (cuMemAlloc_v2 & co.) in processes that map a CUDA runtime, whose calls are
+    # counted a layer above and would otherwise pay a second probe pair each;
+    # "off": runtime only. UCX's patched functions are always left alone.
+    driver_api: str = "auto"
 
 
 class CudaProbes:
@@ -267,7 +277,7 @@ class CudaProbes:
         """(CUDA libraries the process mapped, whether UCX's memory hooks are loaded)."""
         libs = read_maps(pid, self.proc_root)
         cuda = matching(libs, CUDART)
-        if self.options.driver_api:
+        if self.options.driver_api != "off":
             cuda += matching(libs, LIBCUDA)
         return cuda, bool(matching(libs, LIBUCM))
 
@@ -284,6 +294,7 @@ class CudaProbes:
             self.detach(pid)
             raise ProcessGoneDuringAttach(f"pid {pid}: {err}") from err
         att.ucx = att.ucx or ucx
+        att.runtime = att.runtime or any(CUDART.match(lib.name) for lib in libs)
         for lib in libs:
             key = (lib.dev, lib.inode)
             if key in att.libraries:
@@ -312,6 +323,13 @@ class CudaProbes:
                 att.symbols.append(
                     SymbolAttach(
                         lib.path, api.label, HookState.DISABLED, "UCX memory hooks patch this function"
+                    )
+                )
+                continue
+            if api.beneath_runtime and att.runtime and self.options.driver_api == "auto":
+                att.symbols.append(
+                    SymbolAttach(
+                        lib.path, api.label, HookState.DISABLED, "counted above, by the CUDA runtime"
                     )
                 )
                 continue

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwatch.probes.cuda import CUDA_APIS, CudaProbes
+from kvwatch.probes.cuda import CUDA_APIS, CudaProbeOptions, CudaProbes
 from kvwatch.probes.libs import CUDART, LIBCUDA, matching, read_maps, read_symbols
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,8 @@ def libraries_of_torch() -> tuple[str, str]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rt, drv = libraries_of_torch()
+    # a runtime given on the command line (the stub, for a dry run) or the one torch loads
+    rt, drv = (sys.argv[2], sys.argv[3]) if len(sys.argv) > 3 else libraries_of_torch()
     report: dict[str, object] = {"runtime": rt, "driver": drv, "prologues": {}}
     for path in (rt, drv):
         t = read_symbols(path)
@@ -64,44 +65,49 @@ def main() -> None:
     if cc.returncode != 0:
         report["bench"] = f"gcc failed: {cc.stderr[-500:]}"
     else:
-        probes = CudaProbes()
-        probes.start()
         env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
+        for driver_api in ("auto", "all"):
+            probes = CudaProbes(CudaProbeOptions(driver_api=driver_api))
+            probes.start()
 
-        def run(attach: bool) -> float:
-            p = subprocess.Popen(
-                [str(exe), rt, "20000", "wait"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            time.sleep(0.3)
-            if attach:
-                probes.attach(p.pid)
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            calls, ns = map(int, p.stdout.read().split())
-            p.wait()
-            if attach:
-                c = probes.sample().processes.get(p.pid)
-                report.setdefault("counted", []).append(
-                    c.apis["cudaMalloc"].ok if c and "cudaMalloc" in c.apis else 0
-                )  # type: ignore[union-attr]
-                probes.detach(p.pid)
-            return ns / calls
+            def run(attach: bool, mode: str, probes: CudaProbes = probes) -> float:
+                n = "200000" if mode == "free0" else "20000"
+                p = subprocess.Popen(
+                    [str(exe), rt, n, "wait", mode],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                assert p.stdin is not None and p.stdout is not None
+                time.sleep(0.3)
+                if attach:
+                    probes.attach(p.pid)
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                calls, ns = map(int, p.stdout.read().split())
+                p.wait()
+                if attach:
+                    c = probes.sample().processes.get(p.pid)
+                    api = "cudaFree" if mode == "free0" else "cudaMalloc"
+                    counted = c.apis[api].ok if c is not None and api in c.apis else 0
+                    report.setdefault(f"counted_{driver_api}_{mode}", []).append(counted)  # type: ignore[union-attr]
+                    probes.detach(p.pid)
+                return ns / calls
 
-        off, on = [], []
-        for _ in range(5):
-            off.append(run(False))
-            on.append(run(True))
-        probes.close()
-        report["bench"] = {
-            "ns_per_call_unwatched": off,
-            "ns_per_call_watched": on,
-            "median_overhead_ns_per_call": statistics.median(on) - statistics.median(off),
-            "median_unwatched_ns": statistics.median(off),
-        }
+            for mode in ("free0", "malloc"):
+                off, on = [], []
+                for _ in range(5):
+                    off.append(run(False, mode))
+                    on.append(run(True, mode))
+                report[f"bench_{driver_api}_{mode}"] = {
+                    "ns_per_call_unwatched": off,
+                    "ns_per_call_watched": on,
+                    "median_overhead_ns_per_call": statistics.median(on) - statistics.median(off),
+                    "min_overhead_ns_per_call": min(on) - min(off),
+                    "median_unwatched_ns": statistics.median(off),
+                }
+            probes.close()
     (out / "cuda_calls.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
 

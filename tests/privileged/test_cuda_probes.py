@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.stublib import build
-from kvwatch.probes.cuda import CUDA_APIS, AllocationFailed, CudaProbes, ProcessGoneDuringAttach
+from kvwatch.probes.cuda import (
+    CUDA_APIS,
+    AllocationFailed,
+    CudaProbeOptions,
+    CudaProbes,
+    ProcessGoneDuringAttach,
+)
 from kvwatch.probes.records import HookState
 
 from tests.privileged.helpers import Child
@@ -77,7 +83,27 @@ def test_real_cudart_attach_args_and_return_values(probes: CudaProbes) -> None:
         assert probes.detach(w.pid) == 2 * sum(1 for a in CUDA_APIS if a.lib == "cudart")
 
 
-def test_stub_ledger_exact_and_no_double_counting(probes: CudaProbes, stub: Path) -> None:
+@pytest.fixture
+def all_probes() -> Iterator[CudaProbes]:
+    p = CudaProbes(CudaProbeOptions(driver_api="all"))
+    p.start()
+    yield p
+    p.close()
+
+
+def test_auto_leaves_the_driver_beneath_the_runtime_alone(probes: CudaProbes, stub: Path) -> None:
+    with Child("cuda", "--lib-dir", str(stub), "--prealloc", "0") as w:
+        w.expect("ready")
+        att = probes.attach(w.pid)
+        skipped = {s.api for s in att.symbols if s.state is HookState.DISABLED}
+        assert skipped == {"cuMemAlloc", "cuMemAllocAsync", "cuMemFree", "cuMemFreeAsync"}
+        w.step("emptycache 1000 0.02", "done")
+        s = probes.sample().processes[w.pid]
+        assert s.apis["cudaMalloc"].ok == s.apis["cudaFree"].ok > 0 and s.nested == 0
+
+
+def test_stub_ledger_exact_and_no_double_counting(all_probes: CudaProbes, stub: Path) -> None:
+    probes = all_probes
     with Child("cuda", "--lib-dir", str(stub), "--prealloc", "0") as w:
         w.expect("ready")
         att = probes.attach(w.pid)
@@ -150,7 +176,8 @@ def test_symbol_missing_in_an_old_runtime(probes: CudaProbes, tmp_path: Path) ->
         assert counts(probes, w.pid, "cudaMalloc")[0] == N
 
 
-def test_garbage_library_and_ucx_hooks(probes: CudaProbes, stub: Path, tmp_path: Path) -> None:
+def test_garbage_library_and_ucx_hooks(all_probes: CudaProbes, stub: Path, tmp_path: Path) -> None:
+    probes = all_probes
     fake = tmp_path / "evil" / "libcudart.so.13"
     fake.parent.mkdir()
     fake.write_bytes(b"not an ELF file at all" * 100)
@@ -186,7 +213,9 @@ def test_detach_after_exit_releases_every_probe(probes: CudaProbes, stub: Path) 
     with Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
         w.expect("ready")
         probes.attach(w.pid)
-        assert probes.program.open_uprobes == base + 2 * len(CUDA_APIS)
+        assert probes.program.open_uprobes == base + 2 * (
+            len(CUDA_APIS) - 4
+        )  # auto: 4 driver calls left alone
         pid = w.pid
     time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists()
