@@ -25,6 +25,7 @@ from kvwatch.probes.libs import (
     LibraryError,
     MappedLibrary,
     SymbolCache,
+    SymbolTable,
     matching,
     read_maps,
 )
@@ -317,42 +318,38 @@ class CudaProbes:
                     att.symbols.append(SymbolAttach(lib.path, api.label, HookState.FAILED, str(err)))
             return
         for api in CUDA_APIS:
-            if api.lib != kind:
-                continue
-            if api.ucx_patched and att.ucx:
-                att.symbols.append(
-                    SymbolAttach(
-                        lib.path, api.label, HookState.DISABLED, "UCX memory hooks patch this function"
-                    )
+            if api.lib == kind:
+                att.symbols.append(self._attach_symbol(att, lib, host_path, table, api))
+
+    def _skip_reason(self, att: ProcessAttachment, api: CudaApi) -> str:
+        if api.ucx_patched and att.ucx:
+            return "UCX memory hooks patch this function"
+        if api.beneath_runtime and att.runtime and self.options.driver_api == "auto":
+            return "counted above, by the CUDA runtime"
+        return ""
+
+    def _attach_symbol(
+        self, att: ProcessAttachment, lib: MappedLibrary, host_path: str, table: SymbolTable, api: CudaApi
+    ) -> SymbolAttach:
+        skip = self._skip_reason(att, api)
+        if skip:
+            return SymbolAttach(lib.path, api.label, HookState.DISABLED, skip)
+        addr = table.probe_address(api.symbol)
+        if addr is None:
+            return SymbolAttach(lib.path, api.label, HookState.MISSING, f"no {api.symbol} in {lib.name}")
+        try:
+            for retprobe, fn in ((False, f"kvw_enter_{api.symbol}"), (True, f"kvw_return_{api.symbol}")):
+                ev = self.program.attach_uprobe(
+                    api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe
                 )
-                continue
-            if api.beneath_runtime and att.runtime and self.options.driver_api == "auto":
-                att.symbols.append(
-                    SymbolAttach(
-                        lib.path, api.label, HookState.DISABLED, "counted above, by the CUDA runtime"
-                    )
-                )
-                continue
-            addr = table.probe_address(api.symbol)
-            if addr is None:
-                att.symbols.append(
-                    SymbolAttach(lib.path, api.label, HookState.MISSING, f"no {api.symbol} in {lib.name}")
-                )
-                continue
-            try:
-                for retprobe, fn in ((False, f"kvw_enter_{api.symbol}"), (True, f"kvw_return_{api.symbol}")):
-                    ev = self.program.attach_uprobe(
-                        api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe
-                    )
-                    if ev:
-                        att.events.append(ev)
-            except ProbeAttachError as err:
-                if not (self.proc_root / str(att.pid)).exists():
-                    self.detach(att.pid)
-                    raise ProcessGoneDuringAttach(f"pid {att.pid} exited during attach") from err
-                att.symbols.append(SymbolAttach(lib.path, api.label, HookState.FAILED, err.reason))
-                continue
-            att.symbols.append(SymbolAttach(lib.path, api.label, HookState.ATTACHED))
+                if ev:
+                    att.events.append(ev)
+        except ProbeAttachError as err:
+            if not (self.proc_root / str(att.pid)).exists():
+                self.detach(att.pid)
+                raise ProcessGoneDuringAttach(f"pid {att.pid} exited during attach") from err
+            return SymbolAttach(lib.path, api.label, HookState.FAILED, err.reason)
+        return SymbolAttach(lib.path, api.label, HookState.ATTACHED)
 
     def detach(self, pid: int) -> int:
         att = self.attachments.pop(pid, None)

@@ -70,7 +70,9 @@ def main() -> None:
             probes = CudaProbes(CudaProbeOptions(driver_api=driver_api))
             probes.start()
 
-            def run(attach: bool, mode: str, probes: CudaProbes = probes) -> float:
+            def run(
+                attach: bool, mode: str, probes: CudaProbes = probes, driver_api: str = driver_api
+            ) -> float:
                 n = "200000" if mode == "free0" else "20000"
                 p = subprocess.Popen(
                     [str(exe), rt, n, "wait", mode],
