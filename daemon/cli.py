@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="reproduce each failure mode with the daemon watching")
     _add_config_flags(demo)
     demo.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0")
-    demo.add_argument("--scenario", action="append", choices=["host-tier", "oom"], help="default: all")
+    demo.add_argument(
+        "--scenario", action="append", choices=["host-tier", "reuse-collapse", "oom"], help="default: all"
+    )
     demo.add_argument("--work-dir", type=Path, default=Path("/var/tmp/kvwatch-demo"))
     return parser
 

@@ -3,6 +3,9 @@
 * host-tier: a pretend engine with a disk KV tier (files read into the page
   cache) is squeezed by its own memory cgroup: the kernel evicts the tier while
   the engine keeps reading it back → KVHostTierEvictionUnderPressure.
+* reuse-collapse: a pretend engine allocates GPU memory through a stand-in CUDA
+  runtime (built here; no GPU needed) first from its cache, then as if
+  ``torch.cuda.empty_cache()`` ran every step → KVCacheReuseCollapse.
 * oom: a pretend engine in a small cgroup allocates until the OOM killer takes
   it → InferenceProcessOOMKilled.
 
@@ -21,9 +24,13 @@ from pathlib import Path
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.daemon.stublib import StubBuildError, build
 from kvwatch.daemon.workloads import MIB, Workload, drop_file_cache, make_files
 
-DEMO_RULE = {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom)\b"}
+DEMO_RULE = {
+    "engine": "demo",
+    "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom|cuda)\b",
+}
 KV_FILES, KV_FILE_MB = 32, 16
 CGROUP_MB, SQUEEZE_MB = 768, 640
 
@@ -37,6 +44,8 @@ def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     data["kv_tiers"]["rescan_seconds"] = 2.0
     ht = data["detectors"]["host_tier_eviction"]
     ht.update(warmup_seconds=0.0, window_seconds=2.0, floor_bytes_per_second=32 * MIB)
+    data["detectors"]["reuse_collapse"].update(warmup_seconds=1.0, baseline_min_seconds=2.0)
+    data["probes"]["cuda_rescan_seconds"] = 1.0
     return Config.model_validate(data)
 
 
@@ -115,6 +124,37 @@ def scenario_host_tier(get: Callable[[], Snapshot], work: Path) -> bool:
             child.close()
 
 
+def scenario_reuse_collapse(get: Callable[[], Snapshot], work: Path) -> bool | None:
+    try:
+        lib_dir = build(work / "stubcuda").parent
+    except StubBuildError as err:
+        _say(f"reuse-collapse skipped: {err}")
+        return None
+    with Workload("cuda", "--lib-dir", str(lib_dir)) as child:
+        child.expect("ready")
+        attached = lambda s: any(
+            p.pid == child.pid and p.cuda and p.cuda.symbols_attached for p in s.processes
+        )
+        if not _wait_for(get, attached, 10):
+            _say("the CUDA engine was not attached")
+            return False
+        _say(f"engine pid {child.pid}: CUDA probes attached; 4 s of a warm allocator cache (no cudaMalloc)")
+        child.step("cached 1 4", "done")
+        _say("now every step frees its segments and allocates them again, like empty_cache() in the loop")
+        t0 = time.monotonic()
+        child.send("emptycache 40 8")
+        ok = _wait_for(get, _firing("KVCacheReuseCollapse"), 8)
+        if ok:
+            a = next(a for a in get().alerts if a.alert == "KVCacheReuseCollapse")
+            _say(
+                f"ALERT KVCacheReuseCollapse cause={a.cause} after {time.monotonic() - t0:.1f} s: {a.summary}"
+            )
+        else:
+            _say("no reuse-collapse alert within 8 s")
+        child.expect("done")
+        return ok
+
+
 def scenario_oom(get: Callable[[], Snapshot]) -> bool:
     with MemoryCgroup("kvwatch-demo-oom", 64 * MIB) as cg:
         child = _engine(["oom"], cg)
@@ -157,10 +197,14 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
             return 1
         host, port = daemon.server.address
         _say(f"daemon up: http://{host}:{port}/metrics (ready={get().ready})")
-        scenarios = args.scenario or ["host-tier", "oom"]
+        scenarios = args.scenario or ["host-tier", "reuse-collapse", "oom"]
         try:
             if "host-tier" in scenarios:
                 results["host-tier"] = scenario_host_tier(get, work)
+            if "reuse-collapse" in scenarios:
+                collapse = scenario_reuse_collapse(get, work)
+                if collapse is not None:
+                    results["reuse-collapse"] = collapse
             if "oom" in scenarios:
                 results["oom"] = scenario_oom(get)
         except CgroupUnavailable as err:

@@ -13,11 +13,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from kvwatch.daemon.agent import memory_options
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.doctor_checks import FAIL, INFO, OK, SKIP, WARN, Check
+from kvwatch.daemon.doctor_cuda import cuda_canaries
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
 from kvwatch.probes import tracefs
@@ -31,17 +33,8 @@ from kvwatch.probes.records import (
     ProcessRenamed,
 )
 
-OK, FAIL, WARN, SKIP, INFO = "ok", "fail", "warn", "skip", "info"
 CANARY_PAGES = 23
 CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN = 39, 38, 21
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
 
 
 def _caps() -> int:
@@ -328,6 +321,7 @@ def run_doctor(config: Config, *, as_json: bool = False, oom_canary: bool = True
     if not blocking:
         try:
             checks += Canaries(config, oom_canary).run()
+            checks += cuda_canaries(config)
         except Exception as err:
             checks.append(
                 Check(

@@ -62,6 +62,10 @@ class Workload:
         self._in.write(line + "\n")
         self._in.flush()
 
+    def reply(self) -> str:
+        """The next line the child says."""
+        return self._out.readline().strip()
+
     def expect(self, word: str) -> str:
         line = self._out.readline().strip()
         if line != word:

@@ -270,6 +270,8 @@ def test_doctor_json_all_canaries_pass() -> None:
         "canary oom_victim",
         "canary task_newtask",
         "canary process_exit",
+        "canary cuda",
+        "probe cuda attach",
     ):
         assert canary in names
 
@@ -282,4 +284,5 @@ def test_demo_fires_both_alerts_within_a_minute() -> None:
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "ALERT KVHostTierEvictionUnderPressure" in out.stdout
     assert "ALERT InferenceProcessOOMKilled" in out.stdout
+    assert "ALERT KVCacheReuseCollapse cause=empty_cache" in out.stdout
     assert time.monotonic() - t0 < 90
