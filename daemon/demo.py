@@ -132,9 +132,10 @@ def scenario_reuse_collapse(get: Callable[[], Snapshot], work: Path) -> bool | N
         return None
     with Workload("cuda", "--lib-dir", str(lib_dir)) as child:
         child.expect("ready")
-        attached = lambda s: any(
-            p.pid == child.pid and p.cuda and p.cuda.symbols_attached for p in s.processes
-        )
+
+        def attached(s: Snapshot) -> bool:
+            return any(p.pid == child.pid and p.cuda and p.cuda.symbols_attached for p in s.processes)
+
         if not _wait_for(get, attached, 10):
             _say("the CUDA engine was not attached")
             return False

@@ -32,7 +32,7 @@ SEARCH = (
 
 def find_cuda_runtime() -> Path | None:
     for pattern in SEARCH:
-        for path in sorted(glob.glob(pattern.format(prefix=sys.prefix))):
+        for path in sorted(glob.glob(pattern.format(prefix=sys.prefix))):  # noqa: PTH207 - absolute patterns
             if CUDART.match(Path(path).name):
                 return Path(path)
     return None
