@@ -25,8 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvwatch.daemon.stublib import build  # noqa: E402
-from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes  # noqa: E402
+from kvwatch.daemon.stublib import build
+from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 
 
 def real_cudart() -> str | None:
