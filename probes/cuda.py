@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
-from kvwatch.probes.errors import ProbeAttachError
-from kvwatch.probes.libs import (
-    CUDART,
-    LIBCUDA,
-    LIBUCM,
-    LibraryError,
-    MappedLibrary,
-    SymbolCache,
-    SymbolTable,
-    matching,
-    read_maps,
-)
-from kvwatch.probes.records import HookState
+from kvwatch.probes.libs import CUDART, LIBCUDA, LIBUCM, MappedLibrary, matching
+from kvwatch.probes.uprobes import PerProcessUprobes, ProcessAttachment, ProcessGoneDuringAttach, UprobeApi
+
+__all__ = ["ProcessGoneDuringAttach"]
 
 FAMILY = "cuda"
 SOURCE = PROBES_DIR / "cuda.bpf.c"
@@ -39,14 +32,11 @@ KINDS = ("device", "host", "vmm")
 
 
 @dataclass(frozen=True, slots=True)
-class CudaApi:
-    symbol: str  # the exported (versioned) symbol
-    label: str  # the ``api`` label users see
-    lib: str  # "cudart" or "cuda"
-    op: int
-    kind: str
-    ptr_arg: int  # out-pointer (alloc) or key (free/register) argument, 1-based; 0 none
-    size_arg: int  # size argument, 1-based; 0 none
+class CudaApi(UprobeApi):
+    op: int = 0
+    kind: str = "device"
+    ptr_arg: int = 0  # out-pointer (alloc) or key (free/register) argument, 1-based; 0 none
+    size_arg: int = 0  # size argument, 1-based; 0 none
     ucx_patched: bool = False  # UCX's memory hooks rewrite this driver function's entry
 
     @property
@@ -63,25 +53,31 @@ class CudaApi:
         return self.op == OP_FREE
 
 
+def _api(  # noqa: PLR0917 - one table row per call, positional on purpose
+    symbol: str, label: str, lib: str, op: int, kind: str, ptr: int, size: int, *, ucx: bool = False
+) -> CudaApi:
+    return CudaApi(label, lib, symbol, symbol, op=op, kind=kind, ptr_arg=ptr, size_arg=size, ucx_patched=ucx)
+
+
 # The single table: its order gives the API indices passed to the C code.
 CUDA_APIS: tuple[CudaApi, ...] = (
-    CudaApi("cudaMalloc", "cudaMalloc", "cudart", OP_ALLOC_OUT, "device", 1, 2),
-    CudaApi("cudaMallocAsync", "cudaMallocAsync", "cudart", OP_ALLOC_OUT, "device", 1, 2),
-    CudaApi("cudaMallocHost", "cudaMallocHost", "cudart", OP_ALLOC_OUT, "host", 1, 2),
-    CudaApi("cudaHostAlloc", "cudaHostAlloc", "cudart", OP_ALLOC_OUT, "host", 1, 2),
-    CudaApi("cudaHostRegister", "cudaHostRegister", "cudart", OP_REGISTER, "host", 1, 2),
-    CudaApi("cudaFree", "cudaFree", "cudart", OP_FREE, "device", 1, 0),
-    CudaApi("cudaFreeAsync", "cudaFreeAsync", "cudart", OP_FREE, "device", 1, 0),
-    CudaApi("cudaFreeHost", "cudaFreeHost", "cudart", OP_FREE, "host", 1, 0),
-    CudaApi("cudaHostUnregister", "cudaHostUnregister", "cudart", OP_FREE, "host", 1, 0),
-    CudaApi("cuMemAlloc_v2", "cuMemAlloc", "cuda", OP_ALLOC_OUT, "device", 1, 2, ucx_patched=True),
-    CudaApi("cuMemAllocAsync", "cuMemAllocAsync", "cuda", OP_ALLOC_OUT, "device", 1, 2, ucx_patched=True),
-    CudaApi("cuMemFree_v2", "cuMemFree", "cuda", OP_FREE, "device", 1, 0, ucx_patched=True),
-    CudaApi("cuMemFreeAsync", "cuMemFreeAsync", "cuda", OP_FREE, "device", 1, 0, ucx_patched=True),
-    CudaApi("cuMemCreate", "cuMemCreate", "cuda", OP_ALLOC_OUT, "vmm", 1, 2),
-    CudaApi("cuMemRelease", "cuMemRelease", "cuda", OP_FREE, "vmm", 1, 0),
-    CudaApi("cuMemMap", "cuMemMap", "cuda", OP_MAP, "vmm", 0, 2, ucx_patched=True),
-    CudaApi("cuMemUnmap", "cuMemUnmap", "cuda", OP_UNMAP, "vmm", 0, 2, ucx_patched=True),
+    _api("cudaMalloc", "cudaMalloc", "cudart", OP_ALLOC_OUT, "device", 1, 2),
+    _api("cudaMallocAsync", "cudaMallocAsync", "cudart", OP_ALLOC_OUT, "device", 1, 2),
+    _api("cudaMallocHost", "cudaMallocHost", "cudart", OP_ALLOC_OUT, "host", 1, 2),
+    _api("cudaHostAlloc", "cudaHostAlloc", "cudart", OP_ALLOC_OUT, "host", 1, 2),
+    _api("cudaHostRegister", "cudaHostRegister", "cudart", OP_REGISTER, "host", 1, 2),
+    _api("cudaFree", "cudaFree", "cudart", OP_FREE, "device", 1, 0),
+    _api("cudaFreeAsync", "cudaFreeAsync", "cudart", OP_FREE, "device", 1, 0),
+    _api("cudaFreeHost", "cudaFreeHost", "cudart", OP_FREE, "host", 1, 0),
+    _api("cudaHostUnregister", "cudaHostUnregister", "cudart", OP_FREE, "host", 1, 0),
+    _api("cuMemAlloc_v2", "cuMemAlloc", "cuda", OP_ALLOC_OUT, "device", 1, 2, ucx=True),
+    _api("cuMemAllocAsync", "cuMemAllocAsync", "cuda", OP_ALLOC_OUT, "device", 1, 2, ucx=True),
+    _api("cuMemFree_v2", "cuMemFree", "cuda", OP_FREE, "device", 1, 0, ucx=True),
+    _api("cuMemFreeAsync", "cuMemFreeAsync", "cuda", OP_FREE, "device", 1, 0, ucx=True),
+    _api("cuMemCreate", "cuMemCreate", "cuda", OP_ALLOC_OUT, "vmm", 1, 2),
+    _api("cuMemRelease", "cuMemRelease", "cuda", OP_FREE, "vmm", 1, 0),
+    _api("cuMemMap", "cuMemMap", "cuda", OP_MAP, "vmm", 0, 2, ucx=True),
+    _api("cuMemUnmap", "cuMemUnmap", "cuda", OP_UNMAP, "vmm", 0, 2, ucx=True),
 )
 API_INDEX = {a.label: i for i, a in enumerate(CUDA_APIS)}
 
@@ -158,32 +154,6 @@ class CudaSample:
     lost: dict[str, int]
 
 
-@dataclass(frozen=True, slots=True)
-class SymbolAttach:
-    library: str  # path as the process sees it
-    api: str
-    state: HookState
-    reason: str = ""
-
-
-@dataclass(slots=True)
-class ProcessAttachment:
-    pid: int
-    libraries: dict[tuple[str, int], MappedLibrary] = field(default_factory=dict)
-    events: list[str] = field(default_factory=list)
-    symbols: list[SymbolAttach] = field(default_factory=list)
-    ucx: bool = False
-    runtime: bool = False  # maps a libcudart
-
-    @property
-    def attached(self) -> int:
-        return sum(1 for s in self.symbols if s.state is HookState.ATTACHED)
-
-
-class ProcessGoneDuringAttach(Exception):
-    pass
-
-
 class _RawEvent(ctypes.Structure):
     _fields_ = (
         ("type", ctypes.c_uint32),
@@ -222,8 +192,10 @@ class CudaProbeOptions:
     driver_api: str = "auto"
 
 
-class CudaProbes:
+class CudaProbes(PerProcessUprobes):
     family = FAMILY
+    libraries_by_kind: ClassVar[dict[str, re.Pattern[str]]] = {"cudart": CUDART, "cuda": LIBCUDA}
+    apis: ClassVar[Sequence[UprobeApi]] = CUDA_APIS
 
     def __init__(
         self,
@@ -232,12 +204,9 @@ class CudaProbes:
         proc_root: Path = Path("/proc"),
         program_factory: Callable[[Path, list[str]], Program] = Program,
     ) -> None:
+        super().__init__(proc_root)
         self.options = options or CudaProbeOptions()
-        self.proc_root = proc_root
         self._program_factory = program_factory
-        self._prog: Program | None = None
-        self.symbols = SymbolCache()
-        self.attachments: dict[int, ProcessAttachment] = {}
         self._events: list[AllocationFailed | LargeAllocation] = []
         self.malformed = 0
 
@@ -245,7 +214,7 @@ class CudaProbes:
         o = self.options
         kind = {k: i for i, k in enumerate(KINDS)}
         table = " ".join(
-            f"X({a.symbol},{i},{i},{a.op},{kind[a.kind]},{a.ptr_arg},{a.size_arg})"
+            f"X({a.fn},{i},{i},{a.op},{kind[a.kind]},{a.ptr_arg},{a.size_arg})"
             for i, a in enumerate(CUDA_APIS)
         )
         flags = [
@@ -264,100 +233,30 @@ class CudaProbes:
         self._prog = self._program_factory(SOURCE, self.cflags())
         self._prog.open_ring_buffer("cuda_events", self._on_event)
 
-    @property
-    def program(self) -> Program:
-        if self._prog is None:
-            raise RuntimeError("CUDA probes not started")
-        return self._prog
-
     def ebpf_text(self) -> str:
         return f"// cflags: {' '.join(self.cflags())}\n" + program_text(SOURCE)
 
-    # --- attachment ----------------------------------------------------------------------
-    def libraries(self, pid: int) -> tuple[list[MappedLibrary], bool]:
-        """(CUDA libraries the process mapped, whether UCX's memory hooks are loaded)."""
-        libs = read_maps(pid, self.proc_root)
-        cuda = matching(libs, CUDART)
-        if self.options.driver_api != "off":
-            cuda += matching(libs, LIBCUDA)
-        return cuda, bool(matching(libs, LIBUCM))
+    # --- attachment rules ----------------------------------------------------------------
+    def kind_of(self, lib: MappedLibrary) -> str | None:
+        kind = super().kind_of(lib)
+        return None if kind == "cuda" and self.options.driver_api == "off" else kind
 
-    def attach(self, pid: int) -> ProcessAttachment:
-        """Attach to every CUDA library ``pid`` mapped and we have not attached yet.
+    def process_flags(self, libs: Sequence[MappedLibrary]) -> set[str]:
+        flags = set()
+        if matching(libs, LIBUCM):
+            flags.add("ucx")
+        if matching(libs, CUDART):
+            flags.add("runtime")
+        return flags
 
-        Raises ``ProcessGoneDuringAttach`` when the process exits midway (what was
-        attached is then detached); a symbol that is missing or refused is a status.
-        """
-        att = self.attachments.setdefault(pid, ProcessAttachment(pid))
-        try:
-            libs, ucx = self.libraries(pid)
-        except OSError as err:
-            self.detach(pid)
-            raise ProcessGoneDuringAttach(f"pid {pid}: {err}") from err
-        att.ucx = att.ucx or ucx
-        att.runtime = att.runtime or any(CUDART.match(lib.name) for lib in libs)
-        for lib in libs:
-            key = (lib.dev, lib.inode)
-            if key in att.libraries:
-                continue
-            att.libraries[key] = lib
-            self._attach_library(att, lib)
-        return att
-
-    def _attach_library(self, att: ProcessAttachment, lib: MappedLibrary) -> None:
-        host_path = lib.host_path(self.proc_root)
-        kind = "cudart" if CUDART.match(lib.name) else "cuda"
-        try:
-            table = self.symbols.get(host_path)
-        except LibraryError as err:
-            if not Path(self.proc_root / str(att.pid)).exists():
-                self.detach(att.pid)
-                raise ProcessGoneDuringAttach(str(err)) from err
-            for api in CUDA_APIS:
-                if api.lib == kind:
-                    att.symbols.append(SymbolAttach(lib.path, api.label, HookState.FAILED, str(err)))
-            return
-        for api in CUDA_APIS:
-            if api.lib == kind:
-                att.symbols.append(self._attach_symbol(att, lib, host_path, table, api))
-
-    def _skip_reason(self, att: ProcessAttachment, api: CudaApi) -> str:
+    def skip_reason(self, att: ProcessAttachment, api: UprobeApi) -> str:
+        if not isinstance(api, CudaApi):
+            return ""
         if api.ucx_patched and att.ucx:
             return "UCX memory hooks patch this function"
-        if api.beneath_runtime and att.runtime and self.options.driver_api == "auto":
+        if api.beneath_runtime and "runtime" in att.flags and self.options.driver_api == "auto":
             return "counted above, by the CUDA runtime"
         return ""
-
-    def _attach_symbol(
-        self, att: ProcessAttachment, lib: MappedLibrary, host_path: str, table: SymbolTable, api: CudaApi
-    ) -> SymbolAttach:
-        skip = self._skip_reason(att, api)
-        if skip:
-            return SymbolAttach(lib.path, api.label, HookState.DISABLED, skip)
-        addr = table.probe_address(api.symbol)
-        if addr is None:
-            return SymbolAttach(lib.path, api.label, HookState.MISSING, f"no {api.symbol} in {lib.name}")
-        try:
-            for retprobe, fn in ((False, f"kvw_enter_{api.symbol}"), (True, f"kvw_return_{api.symbol}")):
-                ev = self.program.attach_uprobe(
-                    api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe
-                )
-                if ev:
-                    att.events.append(ev)
-        except ProbeAttachError as err:
-            if not (self.proc_root / str(att.pid)).exists():
-                self.detach(att.pid)
-                raise ProcessGoneDuringAttach(f"pid {att.pid} exited during attach") from err
-            return SymbolAttach(lib.path, api.label, HookState.FAILED, err.reason)
-        return SymbolAttach(lib.path, api.label, HookState.ATTACHED)
-
-    def detach(self, pid: int) -> int:
-        att = self.attachments.pop(pid, None)
-        if att is None:
-            return 0
-        n = sum(1 for ev in att.events if self.program.detach_uprobe_event(ev))
-        self.forget_counters(pid)
-        return n
 
     def forget_counters(self, tgid: int) -> None:
         prog = self.program
@@ -411,10 +310,3 @@ class CudaProbes:
             hits={a.label: sum(int(x) for x in hits_t[hits_t.Key(i)]) for i, a in enumerate(CUDA_APIS)},
             lost={s: sum(int(x) for x in lost_t[lost_t.Key(i)]) for i, s in enumerate(LOST_SOURCES)},
         )
-
-    def close(self) -> None:
-        if self._prog is not None:
-            for pid in list(self.attachments):
-                self.detach(pid)
-            self._prog.close()
-            self._prog = None

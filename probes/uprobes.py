@@ -1,0 +1,190 @@
+"""Per-process uprobe attachment, shared by the CUDA and transfer families.
+
+For each watched process: read its maps, take the libraries whose file names
+match a family's exact patterns, read each file's symbols once, and attach an
+entry and a return probe per API with ``pid=`` (design rule 4). Libraries
+loaded later are picked up by calling ``attach`` again; ``detach`` works after
+the process (or the file) is gone, because it uses the recorded event names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from kvwatch.probes.bpf import Program
+from kvwatch.probes.errors import ProbeAttachError
+from kvwatch.probes.libs import LibraryError, MappedLibrary, SymbolCache, SymbolTable, read_maps
+from kvwatch.probes.records import HookState
+
+
+@dataclass(frozen=True, slots=True)
+class UprobeApi:
+    """One probed function: its label, which library kind, and how to find it."""
+
+    label: str
+    lib: str  # library kind, a key of the family's library patterns
+    symbol: str  # exact symbol, or a prefix of a mangled C++ name when ``prefix``
+    fn: str  # suffix of the BPF functions kvw_enter_<fn> / kvw_return_<fn>
+    prefix: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SymbolAttach:
+    library: str  # path as the process sees it
+    api: str
+    state: HookState
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class ProcessAttachment:
+    pid: int
+    libraries: dict[tuple[str, int], MappedLibrary] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+    symbols: list[SymbolAttach] = field(default_factory=list)
+    flags: set[str] = field(default_factory=set)  # family facts: "ucx" (libucm mapped), "runtime", ...
+
+    @property
+    def attached(self) -> int:
+        return sum(1 for s in self.symbols if s.state is HookState.ATTACHED)
+
+    @property
+    def ucx(self) -> bool:
+        return "ucx" in self.flags
+
+
+class ProcessGoneDuringAttach(Exception):
+    pass
+
+
+def resolve(table: SymbolTable, api: UprobeApi) -> int | None:
+    if not api.prefix:
+        return table.probe_address(api.symbol)
+    for name in sorted(table.functions):
+        if name.startswith(api.symbol) and "." not in name:  # not the .cold split parts
+            return table.probe_address(name)
+    return None
+
+
+class PerProcessUprobes:
+    """Base of a uprobe family; subclasses give the APIs, library patterns and skip rules."""
+
+    family = "uprobes"
+    libraries_by_kind: ClassVar[dict[str, re.Pattern[str]]] = {}
+    apis: ClassVar[Sequence[UprobeApi]] = ()
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        self.proc_root = proc_root
+        self.symbols = SymbolCache()
+        self.attachments: dict[int, ProcessAttachment] = {}
+        self._prog: Program | None = None
+
+    @property
+    def program(self) -> Program:
+        if self._prog is None:
+            raise RuntimeError(f"{self.family} probes not started")
+        return self._prog
+
+    # --- what to attach ----------------------------------------------------------------
+    def kind_of(self, lib: MappedLibrary) -> str | None:
+        for kind, pattern in self.libraries_by_kind.items():
+            if pattern.match(lib.name):
+                return kind
+        return None
+
+    def process_flags(self, libs: Sequence[MappedLibrary]) -> set[str]:
+        """Facts about the whole process that change what is attached (override)."""
+        return set()
+
+    def skip_reason(self, att: ProcessAttachment, api: UprobeApi) -> str:
+        """Why ``api`` is left alone in this process, or "" (override)."""
+        return ""
+
+    # --- attaching ---------------------------------------------------------------------------
+    def attach(self, pid: int) -> ProcessAttachment:
+        """Attach to every matching library ``pid`` mapped that is not attached yet.
+
+        Raises ``ProcessGoneDuringAttach`` when the process exits midway (what was
+        attached is detached); a missing or refused symbol is a status, not an error.
+        """
+        att = self.attachments.setdefault(pid, ProcessAttachment(pid))
+        try:
+            libs = read_maps(pid, self.proc_root)
+        except OSError as err:
+            self.detach(pid)
+            raise ProcessGoneDuringAttach(f"pid {pid}: {err}") from err
+        att.flags |= self.process_flags(libs)
+        for lib in libs:
+            kind = self.kind_of(lib)
+            key = (lib.dev, lib.inode)
+            if kind is None or key in att.libraries:
+                continue
+            att.libraries[key] = lib
+            self._attach_library(att, lib, kind)
+        return att
+
+    def _alive(self, pid: int) -> bool:
+        return (self.proc_root / str(pid)).exists()
+
+    def _attach_library(self, att: ProcessAttachment, lib: MappedLibrary, kind: str) -> None:
+        host_path = lib.host_path(self.proc_root)
+        try:
+            table = self.symbols.get(host_path)
+        except LibraryError as err:
+            if not self._alive(att.pid):
+                self.detach(att.pid)
+                raise ProcessGoneDuringAttach(str(err)) from err
+            att.symbols += [
+                SymbolAttach(lib.path, a.label, HookState.FAILED, str(err))
+                for a in self.apis
+                if a.lib == kind
+            ]
+            return
+        for api in self.apis:
+            if api.lib == kind:
+                att.symbols.append(self._attach_symbol(att, lib, host_path, table, api))
+
+    def _attach_symbol(
+        self, att: ProcessAttachment, lib: MappedLibrary, host_path: str, table: SymbolTable, api: UprobeApi
+    ) -> SymbolAttach:
+        skip = self.skip_reason(att, api)
+        if skip:
+            return SymbolAttach(lib.path, api.label, HookState.DISABLED, skip)
+        addr = resolve(table, api)
+        if addr is None:
+            return SymbolAttach(lib.path, api.label, HookState.MISSING, f"no {api.symbol} in {lib.name}")
+        try:
+            for retprobe, fn in ((False, f"kvw_enter_{api.fn}"), (True, f"kvw_return_{api.fn}")):
+                ev = self.program.attach_uprobe(
+                    api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe
+                )
+                if ev:
+                    att.events.append(ev)
+        except ProbeAttachError as err:
+            if not self._alive(att.pid):
+                self.detach(att.pid)
+                raise ProcessGoneDuringAttach(f"pid {att.pid} exited during attach") from err
+            return SymbolAttach(lib.path, api.label, HookState.FAILED, err.reason)
+        return SymbolAttach(lib.path, api.label, HookState.ATTACHED)
+
+    def detach(self, pid: int) -> int:
+        att = self.attachments.pop(pid, None)
+        if att is None:
+            return 0
+        n = sum(1 for ev in att.events if self.program.detach_uprobe_event(ev))
+        self.forget_counters(pid)
+        return n
+
+    def forget_counters(self, tgid: int) -> None:
+        """Drop the family's in-kernel counters of a process (override)."""
+
+    def close(self) -> None:
+        if self._prog is not None:
+            for pid in list(self.attachments):
+                self.detach(pid)
+            self._prog.close()
+            self._prog = None
