@@ -41,7 +41,9 @@ def real_cudart() -> str | None:
 
 class Loop:
     def __init__(self, exe: Path, lib: str, n: int, mode: str) -> None:
-        self.p = subprocess.Popen([str(exe), lib, str(n), "wait", mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            [str(exe), lib, str(n), "wait", mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         time.sleep(0.15)
 
     def go(self) -> float:

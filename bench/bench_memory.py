@@ -133,8 +133,7 @@ def bench_daemon(exe: Path, rounds: int, seconds: float, tmp: Path) -> dict[str,
             def discovered(wpid: int, d: DaemonProcess = d) -> None:
                 wait_until(
                     lambda: any(
-                        lab.get("pid") == str(wpid)
-                        for lab, _ in d.metrics().get("kvwatch_page_free_pages_total", [])
+                        lab.get("pid") == str(wpid) for lab, _ in d.metrics().get("kvwatch_page_free_pages_total", [])
                     ),
                     10,
                     "workload watched",

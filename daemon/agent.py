@@ -144,8 +144,7 @@ class Agent:
             except ProbeError as err:
                 self.errors.record("probe_load", "kernel-memory probes did not load", err)
                 self.statuses = [
-                    HookStatus(h.name, "memory", h.tracepoint, HookState.FAILED, str(err), h.required)
-                    for h in HOOKS
+                    HookStatus(h.name, "memory", h.tracepoint, HookState.FAILED, str(err), h.required) for h in HOOKS
                 ]
                 self.memory = None
                 self.tracker.kernel = None
@@ -395,9 +394,7 @@ class Agent:
         """Processes a tier belongs to: named by their environment or config, or seen
         (by the kernel) bringing the tier's pages into the page cache."""
         readers = self._sample.tier_readers if self._sample else {}
-        config_pids = {
-            d.owner_pid for d in self.config.kv_tiers.dirs if d.owner_pid and str(d.path) == str(tier.path)
-        }
+        config_pids = {d.owner_pid for d in self.config.kv_tiers.dirs if d.owner_pid and str(d.path) == str(tier.path)}
         out = []
         for t in self.tracker.tracked():
             if t.proc.identity in tier.owners or (t.pid, tier.tier_id) in readers or t.pid in config_pids:

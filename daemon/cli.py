@@ -43,12 +43,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML config file (default /etc/kvwatch/kvwatch.toml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="set any config key")
     p.add_argument("--log-format", choices=["auto", "json", "console"], help="log output format")
-    p.add_argument(
-        "--pid", action="append", type=int, default=[], help="watch this process by hand (repeatable)"
-    )
-    p.add_argument(
-        "--kv-dir", action="append", type=Path, default=[], help="a KV-tier directory (repeatable)"
-    )
+    p.add_argument("--pid", action="append", type=int, default=[], help="watch this process by hand (repeatable)")
+    p.add_argument("--kv-dir", action="append", type=Path, default=[], help="a KV-tier directory (repeatable)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,9 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check prerequisites and run a canary per probe")
     _add_config_flags(doctor)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument(
-        "--no-oom-canary", action="store_true", help="skip the OOM canary (kills its own child)"
-    )
+    doctor.add_argument("--no-oom-canary", action="store_true", help="skip the OOM canary (kills its own child)")
 
     demo = sub.add_parser("demo", help="reproduce each failure mode with the daemon watching")
     _add_config_flags(demo)
@@ -138,9 +132,7 @@ class Daemon:
         self.config = config
         self.stop = threading.Event()
         self.agent = build_agent(config, sinks=sinks)
-        collector = SnapshotCollector(
-            lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version()
-        )
+        collector = SnapshotCollector(lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version())
         host, port = parse_listen(config.daemon.listen)
         self.server = MetricsServer(
             host,

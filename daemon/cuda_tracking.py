@@ -13,17 +13,8 @@ from dataclasses import dataclass, field
 import structlog
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcessIdentity
-from kvwatch.daemon.tracker import Tracked
-from kvwatch.probes.cuda import (
-    CUDA_APIS,
-    AllocationFailed,
-    CudaProbes,
-    LargeAllocation,
-    ProcessCuda,
-    ProcessGoneDuringAttach,
-)
-from kvwatch.probes.libs import LibraryError
-from kvwatch.probes.records import HookState
+from kvwatch.daemon.uprobe_tracking import Attached, FamilyTracker
+from kvwatch.probes.cuda import AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
 
 log = structlog.get_logger("kvwatch.cuda")
 
@@ -54,9 +45,7 @@ def cuda_series(c: ProcessCuda) -> dict[str, float]:
 
 
 @dataclass(slots=True)
-class _Attached:
-    identity: ProcessIdentity
-    next_rescan: float
+class _Attached(Attached):
     failures: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
@@ -69,7 +58,9 @@ class CudaProcessState:
     ucx: bool
 
 
-class CudaTracker:
+class CudaTracker(FamilyTracker):
+    probes: CudaProbes
+
     def __init__(
         self,
         probes: CudaProbes,
@@ -78,97 +69,39 @@ class CudaTracker:
         clock: Callable[[], float],
         rescan_seconds: float,
     ) -> None:
-        self.probes = probes
-        self.errors = errors
-        self.clock = clock
-        self.rescan_seconds = rescan_seconds
-        self._attached: dict[int, _Attached] = {}
+        super().__init__(probes, errors, clock=clock, rescan_seconds=rescan_seconds)
         self._counters: dict[int, ProcessCuda] = {}
-        self.hits: dict[str, int] = {}
-        self.lost: dict[str, int] = {}
 
-    def sync(self, tracked: Iterable[Tracked]) -> None:
-        """Attach to new processes, rescan due ones, detach the gone."""
-        now = self.clock()
-        alive = {t.pid: t for t in tracked if t.exited_at is None}
-        for pid, a in list(self._attached.items()):
-            t = alive.get(pid)
-            if t is None or t.proc.identity != a.identity:
-                self.detach(pid)
-        for pid, t in alive.items():
-            known = self._attached.get(pid)
-            if known is not None and now < known.next_rescan:
-                continue
-            if known is None:
-                known = self._attached[pid] = _Attached(t.proc.identity, now)
-            known.next_rescan = now + self.rescan_seconds
-            self._attach(pid)
+    def new_attached(self, identity: ProcessIdentity, now: float) -> Attached:
+        return _Attached(identity, now)
 
-    def _attach(self, pid: int) -> None:
-        previous = self.probes.attachments.get(pid)
-        before = len(previous.libraries) if previous is not None else 0
-        try:
-            att = self.probes.attach(pid)
-        except ProcessGoneDuringAttach as err:
-            self.errors.record(
-                "cuda_attach_process_gone", "process exited while CUDA probes attached", err, pid=pid
-            )
-            self._attached.pop(pid, None)
-            return
-        except LibraryError as err:
-            self.errors.record("cuda_attach_library", "CUDA library unreadable", err, pid=pid)
-            return
-        except Exception as err:
-            self.errors.record("cuda_attach", "CUDA attach failed", err, pid=pid)
-            return
-        if len(att.libraries) > before:
-            states: dict[str, int] = {}
-            for s in att.symbols:
-                states[s.state.value] = states.get(s.state.value, 0) + 1
-            log.info(
-                "cuda probes attached",
-                pid=pid,
-                libraries=[lib.path for lib in att.libraries.values()],
-                symbols=states,
-                ucx_hooks=att.ucx,
-            )
-            for s in att.symbols:
-                if s.state is HookState.FAILED:
-                    self.errors.record(
-                        "cuda_symbol_failed", "CUDA symbol refused", None, api=s.api, reason=s.reason
-                    )
-
-    def detach(self, pid: int) -> None:
-        try:
-            self.probes.detach(pid)
-        except Exception as err:
-            self.errors.record("cuda_detach", "CUDA detach failed", err, pid=pid)
-        self._attached.pop(pid, None)
+    def forget(self, pid: int) -> None:
+        super().forget(pid)
         self._counters.pop(pid, None)
 
     def ingest(self) -> None:
         for ev in self.probes.take_events():
-            a = self._attached.get(ev.tgid)
-            if isinstance(ev, AllocationFailed) and a is not None:
+            a = self.attached.get(ev.tgid)
+            if isinstance(ev, AllocationFailed) and isinstance(a, _Attached):
                 key = (ev.api, ev.code)
                 a.failures[key] = a.failures.get(key, 0) + 1
             elif isinstance(ev, LargeAllocation):
                 log.info("large CUDA allocation", pid=ev.tgid, api=ev.api, bytes=ev.size)
         sample = self.probes.sample()
-        self._counters = {pid: c for pid, c in sample.processes.items() if pid in self._attached}
+        self._counters = {pid: c for pid, c in sample.processes.items() if pid in self.attached}
         self.hits, self.lost = sample.hits, dict(sample.lost)
         self.lost["cuda_malformed_events"] = self.probes.malformed
 
     def series(self, pid: int) -> dict[str, float] | None:
         c = self._counters.get(pid)
         if c is None:
-            return None if pid not in self._attached else cuda_series(ProcessCuda(apis={}))
+            return None if pid not in self.attached else cuda_series(ProcessCuda(apis={}))
         return cuda_series(c)
 
     def state(self, pid: int) -> CudaProcessState | None:
-        a = self._attached.get(pid)
+        a = self.attached.get(pid)
         att = self.probes.attachments.get(pid)
-        if a is None or att is None:
+        if not isinstance(a, _Attached) or att is None:
             return None
         return CudaProcessState(
             counters=self._counters.get(pid),
@@ -177,16 +110,3 @@ class CudaTracker:
             libraries=tuple(lib.path for lib in att.libraries.values()),
             ucx=att.ucx,
         )
-
-    def api_states(self) -> dict[str, HookState]:
-        """Per API: attached in at least one process, else why not (for the probe table)."""
-        out: dict[str, HookState] = {}
-        for att in self.probes.attachments.values():
-            for s in att.symbols:
-                if s.state is HookState.ATTACHED or s.api not in out:
-                    out[s.api] = s.state
-        return {a.label: out.get(a.label, HookState.MISSING) for a in CUDA_APIS}
-
-    def close(self) -> None:
-        for pid in list(self._attached):
-            self.detach(pid)

@@ -147,9 +147,7 @@ def scenario_reuse_collapse(get: Callable[[], Snapshot], work: Path) -> bool | N
         ok = _wait_for(get, _firing("KVCacheReuseCollapse"), 8)
         if ok:
             a = next(a for a in get().alerts if a.alert == "KVCacheReuseCollapse")
-            _say(
-                f"ALERT KVCacheReuseCollapse cause={a.cause} after {time.monotonic() - t0:.1f} s: {a.summary}"
-            )
+            _say(f"ALERT KVCacheReuseCollapse cause={a.cause} after {time.monotonic() - t0:.1f} s: {a.summary}")
         else:
             _say("no reuse-collapse alert within 8 s")
         child.expect("done")

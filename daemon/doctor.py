@@ -53,21 +53,15 @@ def check_privileges() -> Check:
     if os.geteuid() == 0 and has(CAP_SYS_ADMIN):
         return Check("privileges", OK, "root with CAP_SYS_ADMIN")
     if has(CAP_BPF) and has(CAP_PERFMON):
-        return Check(
-            "privileges", WARN, "CAP_BPF + CAP_PERFMON without root: bcc may still need CAP_SYS_ADMIN"
-        )
-    return Check(
-        "privileges", FAIL, "not root and no CAP_BPF/CAP_PERFMON", "run as root (sudo kvwatch doctor)"
-    )
+        return Check("privileges", WARN, "CAP_BPF + CAP_PERFMON without root: bcc may still need CAP_SYS_ADMIN")
+    return Check("privileges", FAIL, "not root and no CAP_BPF/CAP_PERFMON", "run as root (sudo kvwatch doctor)")
 
 
 def check_bcc() -> Check:
     from kvwatch.probes import bpf  # noqa: PLC0415
 
     if not bpf.bcc_available():
-        return Check(
-            "bcc", FAIL, "cannot import bcc", "apt install python3-bpfcc; use /usr/bin/python3 or its venv"
-        )
+        return Check("bcc", FAIL, "cannot import bcc", "apt install python3-bpfcc; use /usr/bin/python3 or its venv")
     return Check("bcc", OK, f"bcc {bpf.bcc_version()}")
 
 
@@ -167,9 +161,7 @@ class Canaries:
             except Exception as err:
                 out.append(Check(f"canary {fn.__name__}", FAIL, f"{type(err).__name__}: {err}"))
         if {"direct_reclaim_begin", "direct_reclaim_end"} <= attached:
-            out.append(
-                Check("canary direct_reclaim", SKIP, "attached; firing it needs node-wide memory pressure")
-            )
+            out.append(Check("canary direct_reclaim", SKIP, "attached; firing it needs node-wide memory pressure"))
         self.probes.close()
         return out
 
@@ -205,9 +197,7 @@ class Canaries:
                 OK if fork else FAIL,
                 f"fork of pid {child.pid} {'seen' if fork else 'missed'}",
             ),
-            Check(
-                "canary process_exec", OK if exe else FAIL, f"exec of /bin/true {'seen' if exe else 'missed'}"
-            ),
+            Check("canary process_exec", OK if exe else FAIL, f"exec of /bin/true {'seen' if exe else 'missed'}"),
             Check(
                 "canary process_exit",
                 OK if ext else FAIL,

@@ -108,12 +108,8 @@ def specs_from_process(p: DiscoveredProcess, proc_root: Path) -> list[TierSpec]:
         except OSError:
             return None
 
-    specs = [
-        TierSpec(inside(d), f"lmcache:{d}", "lmcache", p.identity) for d in lmcache_dirs(p.environ, read)
-    ]
-    specs += [
-        TierSpec(inside(d), f"hicache:{d}", "hicache", p.identity) for d in hicache_dirs(p.environ, p.cmdline)
-    ]
+    specs = [TierSpec(inside(d), f"lmcache:{d}", "lmcache", p.identity) for d in lmcache_dirs(p.environ, read)]
+    specs += [TierSpec(inside(d), f"hicache:{d}", "hicache", p.identity) for d in hicache_dirs(p.environ, p.cmdline)]
     return specs
 
 

@@ -15,9 +15,7 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 def configure(log_format: str = "auto", level: str = "info", stream: Any = None) -> None:
     stream = stream or sys.stderr
     as_json = log_format == "json" or (log_format == "auto" and not stream.isatty())
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

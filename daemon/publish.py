@@ -85,9 +85,7 @@ def _probe_views(agent: Agent) -> list[ProbeView]:
             )
     elif agent.config.probes.cuda:
         views += [
-            ProbeView(
-                a.label, "cuda", f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, agent.cuda_failure
-            )
+            ProbeView(a.label, "cuda", f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, agent.cuda_failure)
             for a in CUDA_APIS
         ]
     return views
@@ -99,9 +97,7 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
     lost.update(agent._lost_userspace)
     lost["exec_hints_dropped"] = agent.tracker.stats.hints_dropped
     if agent.cuda_tracker is not None:
-        lost.update(
-            {f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()}
-        )
+        lost.update({f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()})
     gpu = agent.gpu_used
     procs = tuple(
         ProcessView(

@@ -64,9 +64,7 @@ class SnapshotCollector(Collector):
         ready = GaugeMetricFamily("kvwatch_ready", "1 when every probe the config asks for is attached")
         ready.add_metric([], 1 if s.ready else 0)
         yield ready
-        age = GaugeMetricFamily(
-            "kvwatch_snapshot_age_seconds", "seconds since the loop published the data served"
-        )
+        age = GaugeMetricFamily("kvwatch_snapshot_age_seconds", "seconds since the loop published the data served")
         age.add_metric([], max(0.0, self.clock() - s.wall_time) if s.wall_time else 0.0)
         yield age
         loop = GaugeMetricFamily("kvwatch_loop_duration_seconds", "duration of the last loop tick")
@@ -93,16 +91,12 @@ class SnapshotCollector(Collector):
         for source, n in sorted(s.lost.items()):
             lost.add_metric([source], n)
         yield lost
-        errors = CounterMetricFamily(
-            "kvwatch_errors", "errors counted by the daemon, by kind", labels=["kind"]
-        )
+        errors = CounterMetricFamily("kvwatch_errors", "errors counted by the daemon, by kind", labels=["kind"])
         for kind, n in sorted(s.errors.items()):
             errors.add_metric([kind], n)
         yield errors
 
-        watched = GaugeMetricFamily(
-            "kvwatch_watched_processes", "inference processes being watched", labels=["engine"]
-        )
+        watched = GaugeMetricFamily("kvwatch_watched_processes", "inference processes being watched", labels=["engine"])
         for engine, n in sorted(s.watched_by_engine.items()):
             watched.add_metric([engine], n)
         yield watched
@@ -116,9 +110,7 @@ class SnapshotCollector(Collector):
         yield from self._cuda_families(s)
         yield from self._tier_families(s)
 
-        oom = CounterMetricFamily(
-            "kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS)
-        )
+        oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
         for key, n in sorted(s.oom_kills.items()):
             oom.add_metric(list(key), n)
         yield oom
@@ -128,9 +120,7 @@ class SnapshotCollector(Collector):
         )
         for a in s.alerts:
             active.add_metric(
-                _values(
-                    {"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS
-                ),
+                _values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS),
                 1,
             )
         yield active
@@ -140,9 +130,7 @@ class SnapshotCollector(Collector):
         yield fired
 
         if s.psi_memory_some_avg10 is not None:
-            psi = GaugeMetricFamily(
-                "kvwatch_memory_pressure_some_avg10", "node memory PSI 'some' avg10 (percent)"
-            )
+            psi = GaugeMetricFamily("kvwatch_memory_pressure_some_avg10", "node memory PSI 'some' avg10 (percent)")
             psi.add_metric([], s.psi_memory_some_avg10)
             yield psi
 
@@ -161,9 +149,7 @@ class SnapshotCollector(Collector):
             "direct reclaim episodes of a watched process",
             labels=[*labels, "scope"],
         )
-        gpu = GaugeMetricFamily(
-            "kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels
-        )
+        gpu = GaugeMetricFamily("kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels)
         for p in s.processes:
             v = _values(p.labels, PROCESS_LABELS)
             pages.add_metric(v, p.totals.get("page_free_pages", 0.0))
@@ -199,9 +185,7 @@ class SnapshotCollector(Collector):
             "successful frees of allocations made before kvwatch attached (size unknown)",
             labels=[*labels, "api"],
         )
-        maps = CounterMetricFamily(
-            "kvwatch_cuda_vmm_map_calls", "cuMemMap / cuMemUnmap calls", labels=[*labels, "api"]
-        )
+        maps = CounterMetricFamily("kvwatch_cuda_vmm_map_calls", "cuMemMap / cuMemUnmap calls", labels=[*labels, "api"])
         mapped = CounterMetricFamily(
             "kvwatch_cuda_vmm_mapped_bytes", "bytes mapped / unmapped by the VMM API", labels=[*labels, "api"]
         )
@@ -257,8 +241,7 @@ class SnapshotCollector(Collector):
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
         evicted = CounterMetricFamily(
             "kvwatch_pagecache_evicted_bytes",
-            "page-cache bytes of KV-tier files evicted; "
-            "cause=reclaim (memory pressure) or policy (deleted/truncated)",
+            "page-cache bytes of KV-tier files evicted; cause=reclaim (memory pressure) or policy (deleted/truncated)",
             labels=["tier", "cause"],
         )
         refault = CounterMetricFamily(
@@ -266,9 +249,7 @@ class SnapshotCollector(Collector):
             "KV-tier file pages read back after reclaim evicted them",
             labels=["tier"],
         )
-        files = GaugeMetricFamily(
-            "kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"]
-        )
+        files = GaugeMetricFamily("kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"])
         for t in s.tiers:
             evicted.add_metric([t.name, "reclaim"], t.totals.get("reclaim_bytes", 0.0))
             evicted.add_metric([t.name, "policy"], t.totals.get("policy_bytes", 0.0))

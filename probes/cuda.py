@@ -214,8 +214,7 @@ class CudaProbes(PerProcessUprobes):
         o = self.options
         kind = {k: i for i, k in enumerate(KINDS)}
         table = " ".join(
-            f"X({a.fn},{i},{i},{a.op},{kind[a.kind]},{a.ptr_arg},{a.size_arg})"
-            for i, a in enumerate(CUDA_APIS)
+            f"X({a.fn},{i},{i},{a.op},{kind[a.kind]},{a.ptr_arg},{a.size_arg})" for i, a in enumerate(CUDA_APIS)
         )
         flags = [
             f"-DKVW_NR_HITS={len(CUDA_APIS)}",
@@ -292,9 +291,7 @@ class CudaProbes(PerProcessUprobes):
         for k, values in prog.table("api_stats").items():
             if k.api >= len(CUDA_APIS):
                 continue
-            per.setdefault(int(k.tgid), {})[CUDA_APIS[k.api].label] = ApiCounters(
-                **percpu_sum(values, _STAT_FIELDS)
-            )
+            per.setdefault(int(k.tgid), {})[CUDA_APIS[k.api].label] = ApiCounters(**percpu_sum(values, _STAT_FIELDS))
         extra = {int(k.value): v for k, v in prog.table("proc_cuda").items()}
         procs = {}
         for tgid in set(per) | set(extra):

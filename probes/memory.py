@@ -227,13 +227,9 @@ class MemoryProbes:
             try:
                 prog.attach_tracepoint(h.name, h.tracepoint, h.fn)
             except ProbeAttachError as err:
-                statuses[h.name] = HookStatus(
-                    h.name, FAMILY, h.tracepoint, HookState.FAILED, err.reason, h.required
-                )
+                statuses[h.name] = HookStatus(h.name, FAMILY, h.tracepoint, HookState.FAILED, err.reason, h.required)
             else:
-                statuses[h.name] = HookStatus(
-                    h.name, FAMILY, h.tracepoint, HookState.ATTACHED, "", h.required
-                )
+                statuses[h.name] = HookStatus(h.name, FAMILY, h.tracepoint, HookState.ATTACHED, "", h.required)
         prog.open_ring_buffer("events", self._on_event)
         self._statuses = {h.name: statuses[h.name] for h in HOOKS}
         return list(self._statuses.values())

@@ -139,9 +139,7 @@ class PerProcessUprobes:
                 self.detach(att.pid)
                 raise ProcessGoneDuringAttach(str(err)) from err
             att.symbols += [
-                SymbolAttach(lib.path, a.label, HookState.FAILED, str(err))
-                for a in self.apis
-                if a.lib == kind
+                SymbolAttach(lib.path, a.label, HookState.FAILED, str(err)) for a in self.apis if a.lib == kind
             ]
             return
         for api in self.apis:
@@ -159,9 +157,7 @@ class PerProcessUprobes:
             return SymbolAttach(lib.path, api.label, HookState.MISSING, f"no {api.symbol} in {lib.name}")
         try:
             for retprobe, fn in ((False, f"kvw_enter_{api.fn}"), (True, f"kvw_return_{api.fn}")):
-                ev = self.program.attach_uprobe(
-                    api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe
-                )
+                ev = self.program.attach_uprobe(api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe)
                 if ev:
                     att.events.append(ev)
         except ProbeAttachError as err:

@@ -21,6 +21,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "tests/privileged" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.privileged)
             if os.geteuid() != 0:
-                item.add_marker(
-                    pytest.mark.skip(reason="needs root for BPF and cgroups (CI runs these as root)")
-                )
+                item.add_marker(pytest.mark.skip(reason="needs root for BPF and cgroups (CI runs these as root)"))

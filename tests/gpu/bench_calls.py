@@ -52,9 +52,7 @@ def main() -> None:
         t = read_symbols(path)
         for api in CUDA_APIS:
             if (api.lib == "cudart") == (path == rt) and t.address(api.symbol) is not None:
-                report["prologues"][f"{Path(path).name}:{api.symbol}"] = t.entry_bytes.get(
-                    api.symbol, b""
-                ).hex()  # type: ignore[index]
+                report["prologues"][f"{Path(path).name}:{api.symbol}"] = t.entry_bytes.get(api.symbol, b"").hex()  # type: ignore[index]
     exe = Path("/tmp/cuda_loop")
     cc = subprocess.run(
         ["gcc", "-O2", "-o", str(exe), str(ROOT / "bench" / "cuda_loop.c"), "-ldl"],
@@ -70,9 +68,7 @@ def main() -> None:
             probes = CudaProbes(CudaProbeOptions(driver_api=driver_api))
             probes.start()
 
-            def run(
-                attach: bool, mode: str, probes: CudaProbes = probes, driver_api: str = driver_api
-            ) -> float:
+            def run(attach: bool, mode: str, probes: CudaProbes = probes, driver_api: str = driver_api) -> float:
                 n = "200000" if mode == "free0" else "20000"
                 p = subprocess.Popen(
                     [str(exe), rt, n, "wait", mode],

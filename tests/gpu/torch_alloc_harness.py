@@ -52,9 +52,7 @@ sizes = [(1 << 20) * (1 + (i * 7) % 23) for i in range(200)]
 def loop() -> float:
     t0 = time.time()
     for step in range(a.steps):
-        tensors = [
-            torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes[step % 50 : step % 50 + 20]
-        ]
+        tensors = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes[step % 50 : step % 50 + 20]]
         del tensors
         if a.mode == "emptycache":
             torch.cuda.empty_cache()

@@ -108,20 +108,14 @@ class Kvwatch:
     def samples(self) -> list[tuple[str, dict[str, str], float]]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        return [
-            (s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples
-        ]
+        return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
     def value(self, name: str, **labels: str) -> float:
-        return sum(
-            v for n, lab, v in self.samples() if n == name and all(lab.get(k) == w for k, w in labels.items())
-        )
+        return sum(v for n, lab, v in self.samples() if n == name and all(lab.get(k) == w for k, w in labels.items()))
 
     def alerts(self, pid: int) -> list[dict[str, str]]:
         return [
-            lab
-            for n, lab, v in self.samples()
-            if n == "kvwatch_alert_active" and lab.get("pid") == str(pid) and v == 1
+            lab for n, lab, v in self.samples() if n == "kvwatch_alert_active" and lab.get("pid") == str(pid) and v == 1
         ]
 
     def stop(self) -> int:
@@ -139,9 +133,7 @@ class Harness:
         else:
             cmd = [sys.executable, str(HERE / "stub_alloc_harness.py"), mode, "--stub", stub_dir]
         cmd += ["--steps", str(steps), "--sleep", str(sleep), "--tag", tag]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env(env)
-        )
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env(env))
         assert self.proc.stdout is not None and self.proc.stdin is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -228,9 +220,7 @@ def validate_mode(kvw: Kvwatch, args: argparse.Namespace, mode: str) -> dict[str
         checks["cudaMalloc == segment.all.allocated"] = d["malloc"] == seg_a
         checks["cudaFree == segment.all.freed"] = d["free"] == seg_f
         if d["free_unknown"] == 0:
-            checks["malloc bytes - freed bytes == reserved bytes"] = (
-                d["malloc_bytes"] - d["free_bytes"] == reserved
-            )
+            checks["malloc bytes - freed bytes == reserved bytes"] = d["malloc_bytes"] - d["free_bytes"] == reserved
         else:  # empty_cache freed a segment allocated before kvwatch attached: its size is unknown
             checks["malloc bytes - known freed bytes >= reserved bytes"] = (
                 d["malloc_bytes"] - d["free_bytes"] >= reserved
@@ -277,9 +267,7 @@ def overhead(args: argparse.Namespace) -> dict[str, object]:
                 "--rounds",
                 str(2 * args.rounds + 1),
             ]
-            p = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env(env)
-            )
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env(env))
             assert p.stdin is not None and p.stdout is not None
             p.stdout.readline()
             on: list[float] = []
@@ -353,9 +341,7 @@ def main() -> None:
     for r in results["modes"]:  # type: ignore[attr-defined]
         t, d = r["torch"], r["kvwatch_delta"]
         net = (
-            d["create_bytes"] - d["release_bytes"]
-            if r["mode"] == "expandable"
-            else d["malloc_bytes"] - d["free_bytes"]
+            d["create_bytes"] - d["release_bytes"] if r["mode"] == "expandable" else d["malloc_bytes"] - d["free_bytes"]
         )
         lines.append(
             f"| {r['mode']} | {t['segment.all.allocated']:.0f} / {t['segment.all.freed']:.0f} ({t['tensors']}) | "

@@ -63,9 +63,7 @@ def scenario(
     with Child("cuda", "--lib-dir", str(stub)) as w:
         w.expect("ready")
         wait_until(lambda: attached(d, w.pid), 10, "CUDA probes attached")
-        w.step(
-            "cached 1 3.5", "done", timeout=30
-        )  # warm-up and a quiet baseline: every tensor from the cache
+        w.step("cached 1 3.5", "done", timeout=30)  # warm-up and a quiet baseline: every tensor from the cache
         assert alert(d, w.pid, name) is None
         t0 = time.monotonic()
         w.send(f"{pattern} {rate} 6")
@@ -92,9 +90,7 @@ def test_metrics_from_the_stub(kvw: DaemonProcess, stub: Path) -> None:
         assert mallocs > 0 and mallocs % 6 == 0
         assert kvw.value("kvwatch_cuda_free_calls_total", pid=pid, api="cudaFree", result="ok") == mallocs
         assert kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemAlloc", result="ok") == 0
-        assert (
-            kvw.value("kvwatch_cuda_alloc_bytes_total", pid=pid, api="cudaMalloc") == mallocs / 2 * 22 * 2**20
-        )
+        assert kvw.value("kvwatch_cuda_alloc_bytes_total", pid=pid, api="cudaMalloc") == mallocs / 2 * 22 * 2**20
         assert kvw.value("kvwatch_cuda_outstanding_bytes", pid=pid, kind="device") == 0
         assert kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemCreate", result="ok") > 0
         assert kvw.value("kvwatch_cuda_vmm_map_calls_total", pid=pid, api="cuMemMap") > 0

@@ -115,9 +115,7 @@ def test_stub_ledger_exact_and_no_double_counting(all_probes: CudaProbes, stub: 
         assert s.apis["cudaMalloc"].bytes == steps * 3 * (2 + 20) * 2**20
         assert s.apis["cudaFree"].bytes == s.apis["cudaMalloc"].bytes
         assert s.outstanding()["device"] == 0
-        assert (
-            "cuMemAlloc" not in s.apis and "cuMemFree" not in s.apis
-        )  # the driver beneath is not counted again
+        assert "cuMemAlloc" not in s.apis and "cuMemFree" not in s.apis  # the driver beneath is not counted again
         assert s.nested == 2 * 6 * steps
         assert s.clustered_frees >= 5 * steps  # empty_cache: frees in bursts
         assert s.seg_2m == s.seg_20m == 3 * steps
@@ -213,9 +211,7 @@ def test_detach_after_exit_releases_every_probe(probes: CudaProbes, stub: Path) 
     with Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
         w.expect("ready")
         probes.attach(w.pid)
-        assert probes.program.open_uprobes == base + 2 * (
-            len(CUDA_APIS) - 4
-        )  # auto: 4 driver calls left alone
+        assert probes.program.open_uprobes == base + 2 * (len(CUDA_APIS) - 4)  # auto: 4 driver calls left alone
         pid = w.pid
     time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists()

@@ -71,9 +71,7 @@ def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path
             time.sleep(1.2)  # one tick publishes it
             got = d.value("kvwatch_page_free_pages_total", pid=str(w.pid)) - before
             assert N_PAGES <= got <= N_PAGES * 1.01, got
-            labels = next(
-                lab for lab, _ in d.metrics()["kvwatch_page_free_pages_total"] if lab["pid"] == str(w.pid)
-            )
+            labels = next(lab for lab, _ in d.metrics()["kvwatch_page_free_pages_total"] if lab["pid"] == str(w.pid))
             assert labels["engine"] == "testengine"
         # the workload exited: its series leaves /metrics after the exit grace period
         wait_until(lambda: not watched(d, w.pid), 10, "exited process dropped")
@@ -118,11 +116,7 @@ def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Pat
                 for lab, _ in d.metrics()["kvwatch_alert_active"]
                 if lab["alert"] == "KVHostTierEvictionUnderPressure"
             )
-            assert (
-                active["tier"] == "test-tier"
-                and active["pid"] == str(eng.pid)
-                and active["engine"] == "testengine"
-            )
+            assert active["tier"] == "test-tier" and active["pid"] == str(eng.pid) and active["engine"] == "testengine"
             assert active["cause"] in ("refault", "reclaim_stall", "psi")
             eng.expect("squeezed", 30)
             assert (
@@ -173,14 +167,10 @@ def test_oom_kill_counted_and_alerted(tmp_path: Path, kvdir: Path) -> None:
             victim.proc.wait(30)
             wait_until(lambda: d.value("kvwatch_oom_kills_total", engine="testengine") == 1, 5, "OOM counted")
             assert time.monotonic() - t0 < 5
-            assert (
-                d.value("kvwatch_alert_active", alert="InferenceProcessOOMKilled", pid=str(victim.pid)) == 1
-            )
+            assert d.value("kvwatch_alert_active", alert="InferenceProcessOOMKilled", pid=str(victim.pid)) == 1
             assert d.value("kvwatch_alerts_fired_total", alert="InferenceProcessOOMKilled") == 1
     onset = [
-        e
-        for e in d.log_events()
-        if e.get("alert") == "InferenceProcessOOMKilled" and e.get("event") == "alert firing"
+        e for e in d.log_events() if e.get("alert") == "InferenceProcessOOMKilled" and e.get("event") == "alert firing"
     ]
     assert len(onset) == 1 and onset[0]["severity"] == "critical"
 
@@ -211,9 +201,7 @@ def test_children_of_watched_process_are_watched(tmp_path: Path, kvdir: Path) ->
 def test_hostile_process_names_keep_metrics_valid(tmp_path: Path, kvdir: Path) -> None:
     if shutil.which("promtool") is None:
         pytest.fail("promtool missing: deploy/setup.sh test installs prometheus")
-    code = (
-        "import ctypes, sys\nctypes.CDLL(None).prctl(15, b'a\"b\\\\c\\n{}', 0, 0, 0)\nsys.stdin.readline()\n"
-    )
+    code = "import ctypes, sys\nctypes.CDLL(None).prctl(15, b'a\"b\\\\c\\n{}', 0, 0, 0)\nsys.stdin.readline()\n"
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
     try:
         with daemon(tmp_path, toml(kvdir, rules='{ engine = "evil", comm = "^a" }')) as d:
@@ -254,9 +242,7 @@ def test_unusable_listen_address_is_a_clear_error(tmp_path: Path, kvdir: Path) -
 
 
 def test_doctor_json_all_canaries_pass() -> None:
-    out = subprocess.run(
-        [*KVWATCH, "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False
-    )
+    out = subprocess.run([*KVWATCH, "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False)
     report = json.loads(out.stdout)
     failed = [c for c in report["checks"] if c["status"] == "fail"]
     assert out.returncode == 0 and report["ok"], failed

@@ -46,9 +46,7 @@ def pages_of(sample: MemorySample, pid: int) -> int:
 def test_page_free_counts_watched_process_only(probes: MemoryProbes) -> None:
     with Child("pages", str(N_PAGES)) as watched, Child("pages", str(N_PAGES)) as other:
         assert probes.watch(watched.pid)
-        watched.step(
-            "go", "done"
-        )  # warm-up: Python's first pass through the code frees a few pages of its own
+        watched.step("go", "done")  # warm-up: Python's first pass through the code frees a few pages of its own
         before = pages_of(probes.sample(), watched.pid)
         watched.step("go", "done")
         other.step("go", "done")
@@ -138,9 +136,7 @@ def test_fork_is_followed_and_exits_reported(probes: MemoryProbes) -> None:
     import sys
 
     code = "import os,sys; sys.stdin.readline(); pid=os.fork()\nif pid==0: os._exit(0)\nos.waitpid(pid,0); print(pid, flush=True); sys.stdin.readline()"
-    p = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdin and p.stdout
     probes.watch(p.pid)
     p.stdin.write("\n")
@@ -152,9 +148,7 @@ def test_fork_is_followed_and_exits_reported(probes: MemoryProbes) -> None:
     time.sleep(0.1)
     probes.poll(100)
     events = probes.take_events().events
-    assert any(
-        isinstance(e, ProcessForked) and e.parent_tgid == p.pid and e.child_pid == child for e in events
-    )
+    assert any(isinstance(e, ProcessForked) and e.parent_tgid == p.pid and e.child_pid == child for e in events)
     exits = {e.tgid for e in events if isinstance(e, ProcessExited)}
     assert {child, p.pid} <= exits
     # threads are not processes: a thread-heavy watched process adds nothing to the map
@@ -192,9 +186,7 @@ def test_ring_buffer_loss_is_counted_exactly(tmp_path: Path) -> None:
         import sys
 
         n = 300
-        code = (
-            f"import os\nfor _ in range({n}):\n pid=os.fork()\n if pid==0: os._exit(0)\n os.waitpid(pid,0)\n"
-        )
+        code = f"import os\nfor _ in range({n}):\n pid=os.fork()\n if pid==0: os._exit(0)\n os.waitpid(pid,0)\n"
         proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; sys.stdin.readline()\n" + code],
             stdin=subprocess.PIPE,

@@ -44,9 +44,7 @@ class TierSim:
         self.stall += stall_s
         self.tier.add(self.t, {**self.totals, "reclaim_bytes": self.totals["reclaim_pages"] * PAGE})
         self.owner.add(self.t, {"direct_reclaim_seconds": 0.0, "memcg_reclaim_seconds": self.stall})
-        owner = ProcessWindow(
-            Subject("pid:1@1", {"pid": "1", "engine": "vllm"}), self.owner_age + self.t, self.owner
-        )
+        owner = ProcessWindow(Subject("pid:1@1", {"pid": "1", "engine": "vllm"}), self.owner_age + self.t, self.owner)
         tw = TierWindow(Subject("tier:0", {"tier": "t"}), 1000.0 + self.t, self.tier, (owner,))
         view = NodeView(now=self.t, processes={}, tiers={"tier:0": tw}, psi_memory_some_avg10=self.psi)
         (f,) = self.detector.evaluate(view)

@@ -177,11 +177,7 @@ def test_cgroup_parsing_variants() -> None:
     k8s_v1 = ["5:memory:/kubepods/burstable/pod01234567-89ab-cdef-0123-456789abcdef/" + "c" * 64]
     cg = parse_cgroup(k8s_v1)
     assert cg.pod_uid == "01234567-89ab-cdef-0123-456789abcdef" and cg.container_id == "c" * 12
-    crio = [
-        "0::/kubepods.slice/kubepods-pod01234567_89ab_cdef_0123_456789abcdef.slice/crio-"
-        + "d" * 64
-        + ".scope"
-    ]
+    crio = ["0::/kubepods.slice/kubepods-pod01234567_89ab_cdef_0123_456789abcdef.slice/crio-" + "d" * 64 + ".scope"]
     cg = parse_cgroup(crio)
     assert cg.container_id == "d" * 12 and cg.pod_uid == "01234567-89ab-cdef-0123-456789abcdef"
     assert cg.unified_path.startswith("/kubepods.slice")

@@ -208,9 +208,7 @@ def test_promtool_check_metrics() -> None:
 def server() -> MetricsServer:
     state = {"snap": fixture_snapshot(wall=1000.0)}
     collector = SnapshotCollector(lambda: state["snap"], clock=lambda: 1001.0)
-    srv = MetricsServer(
-        "127.0.0.1", 0, build_registry(collector), lambda: state["snap"], clock=lambda: 1001.0
-    )
+    srv = MetricsServer("127.0.0.1", 0, build_registry(collector), lambda: state["snap"], clock=lambda: 1001.0)
     srv.state = state  # type: ignore[attr-defined]
     srv.start()
     yield srv
@@ -228,11 +226,7 @@ def get(srv: MetricsServer, path: str) -> tuple[int, str]:
 
 def test_endpoints(server: MetricsServer) -> None:
     code, body = get(server, "/metrics")
-    assert (
-        code == 200
-        and "kvwatch_page_free_pages_total" in body
-        and "kvwatch_process_resident_memory_bytes" in body
-    )
+    assert code == 200 and "kvwatch_page_free_pages_total" in body and "kvwatch_process_resident_memory_bytes" in body
     assert get(server, "/healthz") == (200, "ok\n")
     code, body = get(server, "/readyz")
     assert code == 200 and json.loads(body)["ready"] is True

@@ -25,9 +25,7 @@ FIELDS = (
 
 
 class Proc:
-    def __init__(
-        self, config: ReuseCollapseConfig, environ: dict[str, str] | None = None, age: float = 1000.0
-    ) -> None:
+    def __init__(self, config: ReuseCollapseConfig, environ: dict[str, str] | None = None, age: float = 1000.0) -> None:
         self.det = ReuseCollapse(config)
         self.series = SeriesSet()
         self.tot = dict.fromkeys(FIELDS, 0.0)
@@ -55,9 +53,7 @@ class Proc:
         self.tot["cuda_alloc_failures"] += failures
         self.tot["cuda_frees_after_failure"] += after_fail
         self.tot["cuda_clustered_frees"] += clustered
-        self.tot["cuda_seg_20m" if size == 20 * MIB else "cuda_seg_2m"] += (
-            allocs if size in (2 * MIB, 20 * MIB) else 0
-        )
+        self.tot["cuda_seg_20m" if size == 20 * MIB else "cuda_seg_2m"] += allocs if size in (2 * MIB, 20 * MIB) else 0
         self.tot["cuda_max_alloc"] = max(self.tot["cuda_max_alloc"], pool)
         self.tot["gpu_device_total_bytes"] = 140e9
         self.series.add(self.t, dict(self.tot))

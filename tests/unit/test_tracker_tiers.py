@@ -48,9 +48,7 @@ class Clock:
         return self.t
 
 
-def setup(
-    tmp_path: Path, procs: list[FakeProc], **cfg: object
-) -> tuple[ProcessTracker, FakeKernel, Clock, Path]:
+def setup(tmp_path: Path, procs: list[FakeProc], **cfg: object) -> tuple[ProcessTracker, FakeKernel, Clock, Path]:
     root = make_proc(tmp_path / "proc", procs)
     fs = ProcFS(root)
     config = DiscoveryConfig.model_validate({"proc_root": root, **cfg})
@@ -123,9 +121,7 @@ def test_label_cap_counts_overflow(tmp_path: Path) -> None:
 
 
 def test_orphans_adopted_after_lost_fork_events(tmp_path: Path) -> None:
-    tr, kernel, clock, root = setup(
-        tmp_path, [ENGINE, FakeProc(12, "python3", ["python3"], ppid=10, start=700)]
-    )
+    tr, kernel, clock, root = setup(tmp_path, [ENGINE, FakeProc(12, "python3", ["python3"], ppid=10, start=700)])
     tr.rescan()
     kernel.map[12] = 10  # forked while the ring buffer was full: no event reached us
     kernel.map[13] = 10  # and one that is already gone
@@ -195,9 +191,7 @@ def test_tier_inodes_follow_files(tmp_path: Path) -> None:
     ino_a = (kv / "a.bin").stat().st_ino
     (kv / "a.bin").unlink()
     reg.refresh()
-    assert any(
-        i == ino_a for _, i in sink.inodes
-    )  # kept during the grace period: its pages leave after the unlink
+    assert any(i == ino_a for _, i in sink.inodes)  # kept during the grace period: its pages leave after the unlink
     clock.t += 10
     reg.refresh()
     assert not any(i == ino_a for _, i in sink.inodes)
@@ -221,9 +215,7 @@ def test_engine_environment_dirs(tmp_path: Path) -> None:
     assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "None"}, lambda p: None) == []
     yaml = 'chunk_size: 256\nlocal_disk: "file:///data/lmcache"  # disk tier\nmax_local_disk_size: 20\n'
     assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/etc/l.yaml"}, lambda p: yaml) == ["/data/lmcache"]
-    assert hicache_dirs({}, "python -m sglang.launch_server --hicache-storage-backend file") == [
-        "/tmp/hicache"
-    ]
+    assert hicache_dirs({}, "python -m sglang.launch_server --hicache-storage-backend file") == ["/tmp/hicache"]
     assert hicache_dirs({"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/nvme/h"}, "") == ["/nvme/h"]
     assert hicache_dirs({}, "--hicache-storage-backend mooncake") == []
 
@@ -256,9 +248,7 @@ def test_decode_known_events() -> None:
     ev = decode_event(raw_event(1, 42, 7, 1, b"python3"))
     assert isinstance(ev, OomKill) and ev.victim_pid == 42 and ev.watched and ev.victim_comm == "python3"
     assert ev.anon_rss_kb == 3
-    assert decode_event(raw_event(2, 43, 7, 7)) == ProcessForked(
-        parent_tgid=7, child_pid=43, comm="x", ts_ns=1
-    )
+    assert decode_event(raw_event(2, 43, 7, 7)) == ProcessForked(parent_tgid=7, child_pid=43, comm="x", ts_ns=1)
     ev = decode_event(raw_event(3, 44, 44, 44, b"/usr/bin/python3\xff"))
     assert isinstance(ev, ProcessExec) and ev.filename.startswith("/usr/bin/python3")
 

@@ -1,0 +1,125 @@
+"""A uprobe family for the watched processes: attach on discovery, rescan for libraries
+loaded later, detach on exit. Each failure is per process: counted, logged once, and
+the other processes and families keep working. Families add their own reading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.procfs import ProcessIdentity
+from kvwatch.daemon.tracker import Tracked
+from kvwatch.probes.libs import LibraryError
+from kvwatch.probes.records import HookState
+from kvwatch.probes.uprobes import PerProcessUprobes, ProcessGoneDuringAttach
+
+log = structlog.get_logger("kvwatch.uprobes")
+
+
+@dataclass(slots=True)
+class Attached:
+    identity: ProcessIdentity
+    next_rescan: float
+
+
+class FamilyTracker:
+    def __init__(
+        self,
+        probes: PerProcessUprobes,
+        errors: ErrorBook,
+        *,
+        clock: Callable[[], float],
+        rescan_seconds: float,
+    ) -> None:
+        self.probes = probes
+        self.family = probes.family
+        self.errors = errors
+        self.clock = clock
+        self.rescan_seconds = rescan_seconds
+        self.attached: dict[int, Attached] = {}
+        self.hits: dict[str, int] = {}
+        self.lost: dict[str, int] = {}
+
+    def sync(self, tracked: Iterable[Tracked]) -> None:
+        """Attach to new processes, rescan due ones, detach the gone."""
+        now = self.clock()
+        alive = {t.pid: t for t in tracked if t.exited_at is None}
+        for pid, a in list(self.attached.items()):
+            t = alive.get(pid)
+            if t is None or t.proc.identity != a.identity:
+                self.detach(pid)
+        for pid, t in alive.items():
+            known = self.attached.get(pid)
+            if known is not None and now < known.next_rescan:
+                continue
+            if known is None:
+                known = self.attached[pid] = self.new_attached(t.proc.identity, now)
+            known.next_rescan = now + self.rescan_seconds
+            self._attach(pid)
+
+    def new_attached(self, identity: ProcessIdentity, now: float) -> Attached:
+        return Attached(identity, now)
+
+    def _attach(self, pid: int) -> None:
+        fam = self.family
+        previous = self.probes.attachments.get(pid)
+        before = len(previous.libraries) if previous is not None else 0
+        try:
+            att = self.probes.attach(pid)
+        except ProcessGoneDuringAttach as err:
+            self.errors.record(
+                f"{fam}_attach_process_gone", f"process exited while {fam} probes attached", err, pid=pid
+            )
+            self.forget(pid)
+            return
+        except LibraryError as err:
+            self.errors.record(f"{fam}_attach_library", f"{fam} library unreadable", err, pid=pid)
+            return
+        except Exception as err:
+            self.errors.record(f"{fam}_attach", f"{fam} attach failed", err, pid=pid)
+            return
+        if len(att.libraries) > before:
+            states: dict[str, int] = {}
+            for s in att.symbols:
+                states[s.state.value] = states.get(s.state.value, 0) + 1
+            log.info(
+                f"{fam} probes attached",
+                pid=pid,
+                libraries=[lib.path for lib in att.libraries.values()],
+                symbols=states,
+                flags=sorted(att.flags),
+            )
+            for s in att.symbols:
+                if s.state is HookState.FAILED:
+                    self.errors.record(
+                        f"{fam}_symbol_failed", f"{fam} symbol refused", None, api=s.api, reason=s.reason
+                    )
+
+    def detach(self, pid: int) -> None:
+        try:
+            self.probes.detach(pid)
+        except Exception as err:
+            self.errors.record(f"{self.family}_detach", f"{self.family} detach failed", err, pid=pid)
+        self.forget(pid)
+
+    def forget(self, pid: int) -> None:
+        self.attached.pop(pid, None)
+
+    def api_states(self) -> dict[str, HookState]:
+        """Per API: attached in at least one process, else why not (for the probe table)."""
+        out: dict[str, HookState] = {}
+        for att in self.probes.attachments.values():
+            for s in att.symbols:
+                if s.state is HookState.ATTACHED or s.api not in out:
+                    out[s.api] = s.state
+        return {a.label: out.get(a.label, HookState.MISSING) for a in self.probes.apis}
+
+    def symbols_attached(self, pid: int) -> int:
+        att = self.probes.attachments.get(pid)
+        return att.attached if att is not None and pid in self.attached else 0
+
+    def close(self) -> None:
+        for pid in list(self.attached):
+            self.detach(pid)

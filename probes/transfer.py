@@ -1,0 +1,301 @@
+"""Loader for the KV-transfer probe family (``transfer.bpf.c``): NIXL, UCX, libibverbs, NCCL.
+
+Libraries are resolved per process from its own maps (NIXL wheels carry UCX and
+libibverbs under hashed file names). Costs and caveats are at the top of
+``transfer.bpf.c``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.uprobes import PerProcessUprobes, UprobeApi
+
+FAMILY = "transfer"
+SOURCE = PROBES_DIR / "transfer.bpf.c"
+
+R_NIXL_POST, R_NIXL_STATUS, R_NIXL_RELEASE, R_UCP_PUT, R_UCP_GET, R_VERBS_REG, R_VERBS_DEREG, R_NCCL = range(1, 9)
+LIBS = ("nixl", "ucx", "nccl")
+OPS = ("write", "read", "send", "recv", "allgather", "unknown")
+NBUCKETS = 26
+FIRST_BUCKET_LOG2 = 10
+# upper bounds (seconds) of the in-kernel log2 buckets: bucket b holds durations < 2^(b + 11) ns
+BUCKET_BOUNDS = tuple(2 ** (b + FIRST_BUCKET_LOG2 + 1) / 1e9 for b in range(NBUCKETS - 1))
+
+LIBRARY_PATTERNS = {
+    "nixl": re.compile(r"^libnixl\.so(\.\d+)*$"),
+    "ucp": re.compile(r"^libucp(-[0-9a-f]{8})?\.so(\.\d+)*$"),
+    "verbs": re.compile(r"^libibverbs(-[0-9a-f]{8})?\.so(\.\d+)*$"),
+    "nccl": re.compile(r"^libnccl\.so(\.\d+)*$"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TransferApi(UprobeApi):
+    role: int = 0
+    op: int = 5
+    ptr_arg: int = 0
+    size_arg: int = 0
+    extra_arg: int = 0
+
+
+TRANSFER_APIS: tuple[TransferApi, ...] = (
+    # nixlAgent member functions (mangled; matched by prefix so a changed signature still resolves):
+    # this, req_hndl, ... -> the handle is the 2nd argument
+    TransferApi("nixl_post", "nixl", "_ZNK9nixlAgent11postXferReqE", "nixl_post", prefix=True, role=R_NIXL_POST),
+    TransferApi(
+        "nixl_status", "nixl", "_ZNK9nixlAgent13getXferStatusE", "nixl_status", prefix=True, role=R_NIXL_STATUS
+    ),
+    TransferApi(
+        "nixl_release", "nixl", "_ZNK9nixlAgent14releaseXferReqE", "nixl_release", prefix=True, role=R_NIXL_RELEASE
+    ),
+    # ucp_put_nbx(ep, buffer, count, remote_addr, rkey, param)
+    TransferApi("ucp_put_nbx", "ucp", "ucp_put_nbx", "ucp_put", role=R_UCP_PUT, op=0, size_arg=3, extra_arg=1),
+    TransferApi("ucp_get_nbx", "ucp", "ucp_get_nbx", "ucp_get", role=R_UCP_GET, op=1, size_arg=3, extra_arg=1),
+    # ibv_reg_mr_iova2(pd, addr, length, iova, access); ibv_reg_mr jumps into it
+    TransferApi("ibv_reg_mr_iova2", "verbs", "ibv_reg_mr_iova2", "verbs_reg", role=R_VERBS_REG, size_arg=3),
+    # ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)
+    TransferApi("ibv_reg_dmabuf_mr", "verbs", "ibv_reg_dmabuf_mr", "verbs_reg_dmabuf", role=R_VERBS_REG, size_arg=3),
+    # ibv_dereg_mr(mr): the default version (@@IBVERBS_1.1), not the IBVERBS_1.0 one that never fires
+    TransferApi("ibv_dereg_mr", "verbs", "ibv_dereg_mr", "verbs_dereg", role=R_VERBS_DEREG, ptr_arg=1),
+    # ncclSend/ncclRecv(buff, count, datatype, peer, comm, stream)
+    TransferApi("ncclSend", "nccl", "ncclSend", "nccl_send", role=R_NCCL, op=2, size_arg=2, extra_arg=3),
+    TransferApi("ncclRecv", "nccl", "ncclRecv", "nccl_recv", role=R_NCCL, op=3, size_arg=2, extra_arg=3),
+    # ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)
+    TransferApi("ncclAllGather", "nccl", "ncclAllGather", "nccl_allgather", role=R_NCCL, op=4, size_arg=3, extra_arg=4),
+)
+
+LOST_SOURCES = ("ringbuf", "inflight_full", "stats_full", "pending_full", "ledger_full")
+_XFER_FIELDS = ("calls", "errors", "bytes", "completed", "duration_ns")
+_PROC_FIELDS = (
+    "reg_calls",
+    "reg_bytes",
+    "dereg_calls",
+    "dereg_bytes",
+    "reg_errors",
+    "released_incomplete",
+    "reposted_pending",
+    "nested",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class XferCounters:
+    calls: int = 0
+    errors: int = 0
+    bytes: int = 0
+    completed: int = 0
+    duration_ns: int = 0
+    buckets: tuple[int, ...] = (0,) * NBUCKETS
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCounters:
+    lib: str
+    peer: int  # an opaque endpoint id: never a label
+    first_ns: int
+    bytes: int
+    duration_ns: int
+    completed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessTransfers:
+    xfers: dict[tuple[str, str], XferCounters]  # (lib, op) -> counters
+    peers: tuple[PeerCounters, ...] = ()
+    reg_calls: int = 0
+    reg_bytes: int = 0
+    dereg_calls: int = 0
+    dereg_bytes: int = 0
+    reg_errors: int = 0
+    released_incomplete: int = 0
+    reposted_pending: int = 0
+    nested: int = 0
+
+    @property
+    def registered_bytes(self) -> int:
+        return self.reg_bytes - self.dereg_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    tgid: int
+    lib: str
+    op: str
+    bytes: int
+    start_ns: int
+    end_ns: int
+    status: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSample:
+    monotonic_ns: int
+    processes: dict[int, ProcessTransfers]
+    hits: dict[str, int]
+    lost: dict[str, int]
+    pending: int
+
+
+class _RawEvent(ctypes.Structure):
+    _fields_ = (
+        ("tgid", ctypes.c_uint32),
+        ("lib", ctypes.c_uint16),
+        ("op", ctypes.c_uint16),
+        ("bytes", ctypes.c_uint64),
+        ("start_ns", ctypes.c_uint64),
+        ("end_ns", ctypes.c_uint64),
+        ("ep", ctypes.c_uint64),
+        ("status", ctypes.c_int32),
+        ("pad", ctypes.c_uint32),
+    )
+
+
+def decode_event(data: bytes) -> TransferDone:
+    if len(data) < ctypes.sizeof(_RawEvent):
+        raise ValueError(f"short event: {len(data)} bytes")
+    e = _RawEvent.from_buffer_copy(data)
+    if e.lib >= len(LIBS) or e.op >= len(OPS) or e.end_ns < e.start_ns:
+        raise ValueError("malformed transfer event")
+    return TransferDone(e.tgid, LIBS[e.lib], OPS[e.op], e.bytes, e.start_ns, e.end_ns, e.status)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferProbeOptions:
+    max_pending: int = 65536
+    max_processes: int = 1024
+    ringbuf_pages: int = 16
+    pending_timeout_seconds: float = 60.0
+
+
+class TransferProbes(PerProcessUprobes):
+    family = FAMILY
+    libraries_by_kind: ClassVar[dict[str, re.Pattern[str]]] = LIBRARY_PATTERNS
+    apis: ClassVar[Sequence[UprobeApi]] = TRANSFER_APIS
+
+    def __init__(
+        self,
+        options: TransferProbeOptions | None = None,
+        *,
+        proc_root: Path = Path("/proc"),
+        program_factory: Callable[[Path, list[str]], Program] = Program,
+    ) -> None:
+        super().__init__(proc_root)
+        self.options = options or TransferProbeOptions()
+        self._program_factory = program_factory
+        self._events: list[TransferDone] = []
+        self.malformed = 0
+        self.abandoned = 0  # transfers posted and never completed nor released (timed out here)
+
+    def cflags(self) -> list[str]:
+        o = self.options
+        table = " ".join(
+            f"X({a.fn},{i},{a.role},{a.op},{a.ptr_arg},{a.size_arg},{a.extra_arg})" for i, a in enumerate(TRANSFER_APIS)
+        )
+        flags = [
+            f"-DKVW_NR_HITS={len(TRANSFER_APIS)}",
+            f"-DKVW_NR_LOST={len(LOST_SOURCES)}",
+            f"-DMAX_PENDING={o.max_pending}",
+            f"-DMAX_PROCS={o.max_processes}",
+            f"-DRINGBUF_PAGES={o.ringbuf_pages}",
+            f"-DKVW_TRANSFER_APIS={table}",
+        ]
+        flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(LOST_SOURCES)]
+        return flags
+
+    def start(self) -> None:
+        self._prog = self._program_factory(SOURCE, self.cflags())
+        self._prog.open_ring_buffer("xfer_events", self._on_event)
+
+    def ebpf_text(self) -> str:
+        return f"// cflags: {' '.join(self.cflags())}\n" + program_text(SOURCE)
+
+    def set_emit_events(self, on: bool) -> None:
+        """One ring-buffer event per completed transfer (for `kvwatch record`)."""
+        t = self.program.table("emit_events")
+        t[t.Key(0)] = t.Leaf(1 if on else 0)
+
+    def forget_counters(self, tgid: int) -> None:
+        prog = self.program
+        for name in ("xfer_stats", "peers", "pending", "mr_ledger"):
+            table = prog.table(name)
+            for k in [k for k in table if k.tgid == tgid]:
+                with contextlib.suppress(KeyError):
+                    del table[k]
+        px = prog.table("proc_xfer")
+        with contextlib.suppress(KeyError):
+            del px[px.Key(tgid)]
+
+    # --- reading -------------------------------------------------------------------------------
+    def _on_event(self, data: bytes) -> None:
+        try:
+            self._events.append(decode_event(data))
+        except ValueError:
+            self.malformed += 1
+
+    def poll(self, timeout_ms: int) -> None:
+        self.program.poll(timeout_ms)
+
+    def consume(self) -> None:
+        self.program.consume()
+
+    def take_events(self) -> list[TransferDone]:
+        out, self._events = self._events, []
+        return out
+
+    def expire_pending(self, now_ns: int | None = None) -> int:
+        """Drop transfers posted longer ago than the timeout that never completed (a peer
+        that died, a request never polled): bounded table, every drop counted."""
+        now = now_ns if now_ns is not None else time.monotonic_ns()
+        limit = int(self.options.pending_timeout_seconds * 1e9)
+        table = self.program.table("pending")
+        stale = [k for k, v in table.items() if now - int(v.start_ns) > limit]
+        for k in stale:
+            with contextlib.suppress(KeyError):
+                del table[k]
+        self.abandoned += len(stale)
+        return len(stale)
+
+    def sample(self) -> TransferSample:
+        prog = self.program
+        per: dict[int, dict[tuple[str, str], XferCounters]] = {}
+        for k, values in prog.table("xfer_stats").items():
+            if k.lib >= len(LIBS) or k.op >= len(OPS):
+                continue
+            sums = percpu_sum(values, _XFER_FIELDS)
+            buckets = tuple(sum(int(v.hist[b]) for v in values) for b in range(NBUCKETS))
+            per.setdefault(int(k.tgid), {})[(LIBS[k.lib], OPS[k.op])] = XferCounters(**sums, buckets=buckets)
+        peers: dict[int, list[PeerCounters]] = {}
+        for k, v in prog.table("peers").items():
+            lib = LIBS[k.lib] if k.lib < len(LIBS) else "unknown"
+            peers.setdefault(int(k.tgid), []).append(
+                PeerCounters(lib, int(k.ep), int(v.first_ns), int(v.bytes), int(v.duration_ns), int(v.completed))
+            )
+        extra = {int(k.value): v for k, v in prog.table("proc_xfer").items()}
+        procs: dict[int, ProcessTransfers] = {}
+        for tgid in set(per) | set(extra) | set(peers):
+            v = extra.get(tgid)
+            procs[tgid] = ProcessTransfers(
+                xfers=per.get(tgid, {}),
+                peers=tuple(peers.get(tgid, ())),
+                **({f: int(getattr(v, f)) for f in _PROC_FIELDS} if v is not None else {}),
+            )
+        hits_t, lost_t = prog.table("hits"), prog.table("lost")
+        lost = {s: sum(int(x) for x in lost_t[lost_t.Key(i)]) for i, s in enumerate(LOST_SOURCES)}
+        lost["abandoned_transfers"] = self.abandoned
+        lost["malformed_events"] = self.malformed
+        return TransferSample(
+            monotonic_ns=time.monotonic_ns(),
+            processes=procs,
+            hits={a.label: sum(int(x) for x in hits_t[hits_t.Key(i)]) for i, a in enumerate(TRANSFER_APIS)},
+            lost=lost,
+            pending=len(prog.table("pending")),
+        )
