@@ -20,17 +20,21 @@ from kvwatch.daemon.detectors.host_tier import HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.probe_down import ProbeDown
 from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
+from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import Discovery
+from kvwatch.daemon.families import UprobeFamily
 from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.nvml import Nvml
-from kvwatch.daemon.procfs import ProcError, ProcFS
+from kvwatch.daemon.oom_events import oom_event
+from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.psi import PressureReader
 from kvwatch.daemon.publish import build_snapshot, process_labels
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
+from kvwatch.daemon.transfer_tracking import TransferTracker, link_bytes_per_second
 from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.errors import ProbeError
@@ -45,6 +49,7 @@ from kvwatch.probes.records import (
     ProcessForked,
     ProcessRenamed,
 )
+from kvwatch.probes.transfer import TransferProbeOptions, TransferProbes
 
 log = structlog.get_logger("kvwatch.agent")
 
@@ -88,6 +93,7 @@ class Agent:
         *,
         memory: MemoryProbes | None,
         cuda: CudaProbes | None = None,
+        transfer: TransferProbes | None = None,
         procfs: ProcFS | None = None,
         nvml: Nvml | None = None,
         sinks: Sequence[AlertSink] | None = None,
@@ -96,14 +102,32 @@ class Agent:
     ) -> None:
         self.config = config
         self.memory = memory
-        self.cuda = cuda
-        self.cuda_tracker: CudaTracker | None = None
-        self.cuda_failure = ""
+        self.clock = clock
+        self.errors = ErrorBook()
+        self.cuda_family: UprobeFamily[CudaProbes, CudaTracker] = UprobeFamily(
+            "cuda",
+            cuda,
+            lambda p: CudaTracker(p, self.errors, clock=clock, rescan_seconds=config.probes.cuda_rescan_seconds),
+            enabled=config.probes.cuda,
+        )
+        self.transfer_family: UprobeFamily[TransferProbes, TransferTracker] = UprobeFamily(
+            "transfer",
+            transfer,
+            lambda p: TransferTracker(
+                p,
+                self.errors,
+                clock=clock,
+                rescan_seconds=config.probes.transfer_rescan_seconds,
+                peer_grace_seconds=config.detectors.transfer_collapse.peer_grace_seconds,
+            ),
+            enabled=config.probes.transfer,
+        )
+        self.link_bytes_per_second = link_bytes_per_second(
+            config.transfers.link_bits_per_second, config.transfers.link_interface
+        )
         self.procfs = procfs or ProcFS(config.discovery.proc_root)
         self.nvml = nvml
-        self.clock = clock
         self.wall = wall
-        self.errors = ErrorBook()
         nvml_pids = nvml.pids if nvml is not None else None
         self.discovery = Discovery(config.discovery, self.procfs, nvml_pids)
         self.tracker = ProcessTracker(
@@ -120,6 +144,7 @@ class Agent:
         self.host_tier = HostTierEviction(config.detectors.host_tier_eviction)
         self.oom = OOMKilled(config.detectors.oom)
         self.reuse = ReuseCollapse(config.detectors.reuse_collapse)
+        self.transfer_collapse = TransferCollapse(config.detectors.transfer_collapse, self.link_bytes_per_second)
         self.probe_down = ProbeDown()
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
         self.alerts = AlertBook(default_sinks + list(sinks or []))
@@ -135,6 +160,20 @@ class Agent:
         self._lost_userspace = {"malformed_events": 0}
         self._device_totals = nvml.device_memory_total() if nvml is not None else []
         self.gpu_used: dict[int, int] = {}
+
+    @property
+    def families(
+        self,
+    ) -> tuple[UprobeFamily[CudaProbes, CudaTracker] | UprobeFamily[TransferProbes, TransferTracker], ...]:
+        return (self.cuda_family, self.transfer_family)
+
+    @property
+    def cuda_tracker(self) -> CudaTracker | None:
+        return self.cuda_family.tracker
+
+    @property
+    def transfer_tracker(self) -> TransferTracker | None:
+        return self.transfer_family.tracker
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -159,21 +198,9 @@ class Agent:
             for st in self.statuses:
                 if st.state is not HookState.ATTACHED:
                     log.warning("probe not attached", probe=st.name, state=st.state.value, reason=st.reason)
-        if self.cuda is not None:
-            try:
-                self.cuda.start()
-            except ProbeError as err:
-                self.errors.record("probe_load_cuda", "CUDA probes did not load", err)
-                self.cuda_failure = str(err)
-                self.cuda = None
-            else:
-                self.cuda_tracker = CudaTracker(
-                    self.cuda,
-                    self.errors,
-                    clock=self.clock,
-                    rescan_seconds=self.config.probes.cuda_rescan_seconds,
-                )
-        if self.memory is not None or self.cuda is not None:
+        for family in self.families:
+            family.start(self.errors)
+        if self.memory is not None or any(f.probes is not None for f in self.families):
             release_compiler_memory()
         self.tick()
 
@@ -196,11 +223,8 @@ class Agent:
                         stop.wait(min(remaining, 0.1))
                 else:
                     stop.wait(min(remaining, 0.1))
-                if self.cuda is not None:
-                    try:
-                        self.cuda.consume()
-                    except Exception as err:
-                        self.errors.record("ring_poll_cuda", "CUDA ring buffer poll failed", err)
+                for family in self.families:
+                    family.consume(self.errors)
                 if self._has_urgent_events():
                     self.tick()
                 continue
@@ -217,10 +241,8 @@ class Agent:
 
     def close(self) -> None:
         self.alerts.close()
-        if self.cuda_tracker is not None:
-            self.cuda_tracker.close()
-        if self.cuda is not None:
-            self.cuda.close()
+        for family in self.families:
+            family.close()
         if self.tiers is not None:
             self.tiers.close()
         self.tracker.close()
@@ -239,7 +261,8 @@ class Agent:
             ("hints", self.tracker.process_hints),
             ("discovery", lambda: self._discover(now)),
             ("kv_tiers", self._refresh_tiers),
-            ("cuda", self._sync_cuda),
+            ("cuda", lambda: self.cuda_family.tick(self.tracker.tracked())),
+            ("transfer", lambda: self.transfer_family.tick(self.tracker.tracked())),
             ("sample", lambda: self._ingest(now)),
         ):
             try:
@@ -256,6 +279,7 @@ class Agent:
         for gone in self.tracker.take_removed():
             self.host_tier.forget(gone.key)
             self.reuse.forget(gone.key)
+            self.transfer_collapse.forget(gone.key)
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
@@ -279,48 +303,23 @@ class Agent:
                 self._on_oom(ev)
 
     def _on_oom(self, ev: OomKill) -> None:
-        now = self.clock()
-        victim = self.tracker.get(ev.victim_pid)
-        sibling_of = ""
-        if victim is None and self.config.detectors.oom.include_cgroup_siblings:
-            victim, sibling_of = self._cgroup_sibling(ev.victim_pid)
-        if victim is None:
+        event = oom_event(
+            ev,
+            self.tracker,
+            self.procfs,
+            include_siblings=self.config.detectors.oom.include_cgroup_siblings,
+            now=self.clock(),
+        )
+        if event is None:
             if ev.watched:
                 self.errors.record("oom_untracked", "OOM victim was watched in the kernel but not tracked")
             return
-        labels = process_labels(victim)
-        if sibling_of:
-            labels["pid"] = str(ev.victim_pid)
-        key = victim.key if not sibling_of else f"oom:{ev.victim_pid}@{ev.ts_ns}"
-        self._pending_oom.append(
-            OomEvent(
-                subject=Subject(key, labels),
-                victim_pid=ev.victim_pid,
-                victim_comm=ev.victim_comm,
-                sibling_of=sibling_of,
-                anon_rss_bytes=ev.anon_rss_kb * 1024,
-                file_rss_bytes=ev.file_rss_kb * 1024,
-                at=now,
-            )
-        )
-        k = (labels["engine"], labels["role"], labels["container"], labels["pod"])
+        self._pending_oom.append(event)
+        lab = event.subject.labels
+        k = (lab["engine"], lab["role"], lab["container"], lab["pod"])
         self.oom_kills[k] = self.oom_kills.get(k, 0) + 1
-        if victim is not None and not sibling_of:
-            self.tracker.on_exit(victim.pid)
-
-    def _cgroup_sibling(self, pid: int) -> tuple[Tracked | None, str]:
-        from kvwatch.daemon.cgroups import parse_cgroup  # noqa: PLC0415 - rare path
-
-        try:
-            path = parse_cgroup(self.procfs.cgroup(pid)).memory_path
-        except ProcError:
-            return None, ""
-        if not path or path == "/":
-            return None, ""
-        for t in self.tracker.tracked():
-            if t.proc.cgroup.memory_path == path:
-                return t, t.key
-        return None, ""
+        if not event.sibling_of:
+            self.tracker.on_exit(ev.victim_pid)
 
     def _discover(self, now: float) -> None:
         if now < self._next_scan:
@@ -337,25 +336,20 @@ class Agent:
         if self.tiers is not None:
             self.tiers.refresh()
 
-    def _sync_cuda(self) -> None:
-        if self.cuda_tracker is not None:
-            self.cuda_tracker.sync(self.tracker.tracked())
-            self.cuda_tracker.ingest()
-
     def _ingest(self, now: float) -> None:
         if self.nvml is not None:
             try:
                 self.gpu_used = self.nvml.used_by_pid()
             except Exception as err:
                 self.errors.record("nvml", "NVML query failed", err)
-        if self.cuda_tracker is not None:
-            device_total = float(max(self._device_totals, default=0))
-            for t in self.tracker.tracked():
-                cuda = self.cuda_tracker.series(t.pid)
-                if cuda is not None:
-                    cuda["gpu_device_total_bytes"] = device_total
-                    cuda["gpu_used_bytes"] = float(self.gpu_used.get(t.pid, 0))
-                    t.series.add(now, cuda)
+        device_total = float(max(self._device_totals, default=0))
+        tracked = self.tracker.tracked()
+        self.cuda_family.add_series(
+            tracked,
+            now,
+            lambda pid: {"gpu_device_total_bytes": device_total, "gpu_used_bytes": float(self.gpu_used.get(pid, 0))},
+        )
+        self.transfer_family.add_series(tracked, now)
         if self.memory is None:
             return
         sample = self.memory.sample()
@@ -443,6 +437,7 @@ class Agent:
         return (
             self.host_tier.evaluate(view)
             + self.reuse.evaluate(view)
+            + self.transfer_collapse.evaluate(view)
             + self.oom.evaluate(view)
             + self.probe_down.evaluate(self.statuses, hits, now)
         )
@@ -450,8 +445,7 @@ class Agent:
     # --- publishing -----------------------------------------------------------------------------
     def not_ready_reasons(self) -> tuple[str, ...]:
         reasons: tuple[str, ...] = ()
-        if self.config.probes.cuda and self.cuda is None:
-            reasons += (f"CUDA probes not loaded ({self.cuda_failure or 'bcc unavailable'})",)
+        reasons += tuple(r for r in (f.not_ready() for f in self.families) if r)
         if self.memory is None and any(f for f in self.config.probes.memory):
             return ("kernel-memory probes not loaded", *reasons)
         return reasons + tuple(
@@ -478,4 +472,12 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
         if nvml is None:
             level = log.warning if config.discovery.nvml == "on" else log.info
             level("NVML not used", reason=reason)
-    return Agent(config, memory=memory, cuda=cuda, nvml=nvml, sinks=list(sinks))
+    transfer = (
+        TransferProbes(
+            TransferProbeOptions(pending_timeout_seconds=config.probes.transfer_pending_timeout_seconds),
+            proc_root=config.discovery.proc_root,
+        )
+        if use_bpf and config.probes.transfer
+        else None
+    )
+    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, nvml=nvml, sinks=list(sinks))

@@ -132,6 +132,9 @@ class ProbesConfig(_Section):
     cuda_driver_api: Literal["auto", "all", "off"] = "auto"
     cuda_rescan_seconds: PositiveFloat = 5.0
     cuda_max_ledger: Annotated[int, Field(ge=1024)] = 65536
+    transfer: bool = True
+    transfer_rescan_seconds: PositiveFloat = 5.0
+    transfer_pending_timeout_seconds: PositiveFloat = 60.0
 
     @field_validator("ringbuf_pages")
     @classmethod
@@ -139,6 +142,13 @@ class ProbesConfig(_Section):
         if v & (v - 1):
             raise ValueError("must be a power of two")
         return v
+
+
+class TransfersConfig(_Section):
+    """The link KV transfers cross, to report bandwidth as a share of it."""
+
+    link_bits_per_second: NonNegFloat = 0.0
+    link_interface: str = ""
 
 
 class DetectorCommon(_Section):
@@ -168,6 +178,15 @@ class ReuseCollapseConfig(DetectorCommon):
     baseline_min_seconds: NonNegFloat = 30.0
 
 
+class TransferCollapseConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 5.0
+    fraction: Annotated[float, Field(gt=0, lt=1)] = 0.3
+    demand_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    min_transfers: Annotated[int, Field(ge=1)] = 20
+    peer_grace_seconds: NonNegFloat = 10.0
+    baseline_min_seconds: NonNegFloat = 30.0
+
+
 class OOMConfig(_Section):
     enabled: bool = True
     include_cgroup_siblings: bool = True
@@ -177,6 +196,7 @@ class OOMConfig(_Section):
 class DetectorsConfig(_Section):
     host_tier_eviction: HostTierEvictionConfig = HostTierEvictionConfig()
     reuse_collapse: ReuseCollapseConfig = ReuseCollapseConfig()
+    transfer_collapse: TransferCollapseConfig = TransferCollapseConfig()
     oom: OOMConfig = OOMConfig()
 
 
@@ -189,6 +209,7 @@ class Config(_Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     kv_tiers: KVTiersConfig = KVTiersConfig()
     probes: ProbesConfig = ProbesConfig()
+    transfers: TransfersConfig = TransfersConfig()
     detectors: DetectorsConfig = DetectorsConfig()
     alerts: AlertsConfig = AlertsConfig()
 

@@ -85,7 +85,9 @@ def _probe_views(agent: Agent) -> list[ProbeView]:
             )
     elif agent.config.probes.cuda:
         views += [
-            ProbeView(a.label, "cuda", f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, agent.cuda_failure)
+            ProbeView(
+                a.label, "cuda", f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, agent.cuda_family.failure
+            )
             for a in CUDA_APIS
         ]
     return views

@@ -1,0 +1,122 @@
+"""KVTransferBandwidthCollapse: KV transfers slowing down while they are still wanted.
+
+Per process (NIXL transfers, whose completion kvwatch sees): effective bandwidth —
+bytes over the summed per-transfer completion times — below ``fraction`` x its
+baseline, while demand holds (posts at least ``demand_fraction`` of their baseline,
+or as many transfers in flight as usual: slow transfers pile up) and enough
+transfers completed in the window to judge. Demand falling is not a collapse;
+a new peer's first seconds are left out by the tracker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwatch.daemon.config import TransferCollapseConfig
+from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+
+ALERT = "KVTransferBandwidthCollapse"
+MB = 1e6
+
+
+@dataclass(slots=True)
+class _State:
+    bandwidth: Baseline
+    posts: Baseline
+    concurrency: Baseline
+    hysteresis: Hysteresis
+    learning_since: float | None = None
+
+
+class TransferCollapse:
+    name = ALERT
+
+    def __init__(self, config: TransferCollapseConfig, link_bytes_per_second: float = 0.0) -> None:
+        self.config = config
+        self.link = link_bytes_per_second
+        self._state: dict[str, _State] = {}
+
+    def forget(self, subject_key: str) -> None:
+        self._state.pop(subject_key, None)
+
+    def _state_for(self, key: str) -> _State:
+        st = self._state.get(key)
+        if st is None:
+            c = self.config
+            h = c.baseline_half_life_seconds
+            st = self._state[key] = _State(
+                Baseline(h), Baseline(h), Baseline(h), Hysteresis(c.confirm_windows, c.clear_windows)
+            )
+        return st
+
+    def measure(self, p: ProcessWindow) -> dict[str, float]:
+        w = self.config.window_seconds
+        s = p.series
+        nbytes = s.delta("nixl_bytes", w)
+        busy = s.delta("nixl_duration_seconds", w)
+        done = s.delta("nixl_completed", w)
+        out = {
+            "effective_bytes_per_second": nbytes / busy if busy > 0 else 0.0,
+            "transfers_completed": done,
+            "posts_per_second": s.rate("nixl_posts", w),
+            "concurrency": busy / w,
+            "bytes": nbytes,
+        }
+        if self.link > 0:
+            out["link_utilization"] = out["effective_bytes_per_second"] / self.link
+        return out
+
+    def evaluate(self, view: NodeView) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        c = self.config
+        out: list[Finding] = []
+        for key, p in view.processes.items():
+            if "nixl_posts" not in p.series.series:
+                continue
+            st = self._state_for(key)
+            m = self.measure(p)
+            bw = m["effective_bytes_per_second"]
+            evidence = m["transfers_completed"] >= c.min_transfers
+            if evidence and st.learning_since is None and p.age >= c.warmup_seconds:
+                st.learning_since = view.now
+            warm = st.learning_since is not None and view.now - st.learning_since >= c.baseline_min_seconds
+            limit = c.fraction * st.bandwidth.value
+            demand = m["posts_per_second"] >= c.demand_fraction * st.posts.value or (
+                m["concurrency"] >= st.concurrency.value
+            )
+            hot = warm and evidence and bw < limit and demand
+            cool = not evidence or bw >= 2 * limit
+            firing, _changed = st.hysteresis.step(hot, cool, view.now)
+            if firing or hot or not evidence:
+                for b in (st.bandwidth, st.posts, st.concurrency):
+                    b.hold(view.now)
+            elif st.learning_since is not None:
+                st.bandwidth.update(bw, view.now)
+                st.posts.update(m["posts_per_second"], view.now)
+                st.concurrency.update(m["concurrency"], view.now)
+            values = {
+                **m,
+                "baseline_bytes_per_second": st.bandwidth.value,
+                "threshold_bytes_per_second": limit,
+                "baseline_posts_per_second": st.posts.value,
+                "ratio_to_baseline": bw / st.bandwidth.value if st.bandwidth.value > 0 else 0.0,
+            }
+            link = f", {m['link_utilization']:.0%} of the link" if "link_utilization" in m else ""
+            out.append(
+                Finding(
+                    alert=ALERT,
+                    subject=p.subject,
+                    firing=firing,
+                    cause="bandwidth" if firing else "",
+                    values=values,
+                    summary=(
+                        f"KV transfers of pid {p.subject.labels.get('pid', '?')} at {bw / MB:.1f} MB/s effective "
+                        f"(baseline {st.bandwidth.value / MB:.1f} MB/s{link}) with {m['posts_per_second']:.1f} "
+                        f"posts/s and {m['concurrency']:.1f} in flight"
+                    ),
+                    severity="warning",
+                )
+            )
+        return out

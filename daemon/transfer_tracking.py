@@ -1,0 +1,108 @@
+"""Transfer probes for the watched processes, and their counters as per-process series.
+
+A new peer's first seconds are left out of the series the detector reads: when a
+peer (a UCX endpoint) has been seen for ``peer_grace_seconds``, its counters at
+that moment become its offset, and only what it does afterwards counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.uprobe_tracking import FamilyTracker
+from kvwatch.probes.transfer import ProcessTransfers, TransferDone, TransferProbes
+
+PENDING_SWEEP_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferProcessState:
+    counters: ProcessTransfers | None
+    symbols_attached: int
+    libraries: tuple[str, ...]
+
+
+def link_bytes_per_second(bits_per_second: float, interface: str, sys_root: Path = Path("/sys")) -> float:
+    """The configured link speed, or the interface's own (sysfs, Mb/s); 0 when unknown."""
+    if bits_per_second > 0:
+        return bits_per_second / 8
+    if interface:
+        try:
+            mbit = int((sys_root / "class" / "net" / interface / "speed").read_text().strip())
+        except (OSError, ValueError):
+            return 0.0
+        return mbit * 1e6 / 8 if mbit > 0 else 0.0
+    return 0.0
+
+
+class TransferTracker(FamilyTracker):
+    probes: TransferProbes
+
+    def __init__(
+        self,
+        probes: TransferProbes,
+        errors: ErrorBook,
+        *,
+        clock: Callable[[], float],
+        rescan_seconds: float,
+        peer_grace_seconds: float,
+    ) -> None:
+        super().__init__(probes, errors, clock=clock, rescan_seconds=rescan_seconds)
+        self.peer_grace_ns = int(peer_grace_seconds * 1e9)
+        self._counters: dict[int, ProcessTransfers] = {}
+        self._offsets: dict[tuple[int, str, int], tuple[int, int, int]] = {}
+        self._next_sweep = 0.0
+        self.pending = 0
+        self.events: list[TransferDone] = []  # completed transfers, when `record` asked for them
+
+    def forget(self, pid: int) -> None:
+        super().forget(pid)
+        self._counters.pop(pid, None)
+        for k in [k for k in self._offsets if k[0] == pid]:
+            del self._offsets[k]
+
+    def ingest(self) -> None:
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + PENDING_SWEEP_SECONDS
+            self.probes.expire_pending()
+        self.events += self.probes.take_events()
+        if len(self.events) > 100_000:
+            del self.events[:-100_000]
+        sample = self.probes.sample()
+        self._counters = {pid: c for pid, c in sample.processes.items() if pid in self.attached}
+        self.hits, self.lost = sample.hits, {f"transfer_{k}": v for k, v in sample.lost.items()}
+        self.pending = sample.pending
+
+    def series(self, pid: int) -> dict[str, float] | None:
+        if pid not in self.attached:
+            return None
+        c = self._counters.get(pid)
+        out = {"nixl_bytes": 0.0, "nixl_duration_seconds": 0.0, "nixl_completed": 0.0, "nixl_posts": 0.0}
+        if c is None:
+            return out
+        out["nixl_posts"] = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
+        now_ns = time.monotonic_ns()
+        for p in c.peers:
+            if p.lib != "nixl" or now_ns - p.first_ns < self.peer_grace_ns:
+                continue  # a new peer: connection set-up and warm-up are not its bandwidth
+            key = (pid, p.lib, p.peer)
+            base = self._offsets.setdefault(key, (p.bytes, p.duration_ns, p.completed))
+            out["nixl_bytes"] += p.bytes - base[0]
+            out["nixl_duration_seconds"] += (p.duration_ns - base[1]) / 1e9
+            out["nixl_completed"] += p.completed - base[2]
+        return out
+
+    def state(self, pid: int) -> TransferProcessState | None:
+        att = self.probes.attachments.get(pid)
+        if pid not in self.attached or att is None or not att.libraries:
+            return None
+        return TransferProcessState(
+            counters=self._counters.get(pid),
+            symbols_attached=att.attached,
+            libraries=tuple(lib.path for lib in att.libraries.values()),
+        )
