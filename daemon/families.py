@@ -28,6 +28,7 @@ class UprobeFamily(Generic[P, T]):
     def __init__(self, name: str, probes: P | None, make_tracker: Callable[[P], T], *, enabled: bool) -> None:
         self.name = name
         self.probes = probes
+        self.probe_apis = tuple(type(probes).apis) if probes is not None else ()
         self.make_tracker = make_tracker
         self.enabled = enabled
         self.tracker: T | None = None

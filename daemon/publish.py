@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView
-from kvwatch.probes.cuda import CUDA_APIS
+from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.probes.records import HookState
 
 if TYPE_CHECKING:
@@ -60,6 +59,50 @@ def _cuda_view(agent: Agent, t: Tracked) -> CudaView | None:
     )
 
 
+def _transfer_view(agent: Agent, t: Tracked) -> TransferView | None:
+    tracker = agent.transfer_tracker
+    if tracker is None:
+        return None
+    st = tracker.state(t.pid)
+    if st is None:
+        return None
+    c = st.counters
+    busy = t.series.delta("nixl_duration_seconds", RATE_WINDOW)
+    return TransferView(
+        xfers=dict(c.xfers) if c else {},
+        registered_bytes=c.registered_bytes if c else 0,
+        registrations=c.reg_calls if c else 0,
+        deregistrations=c.dereg_calls if c else 0,
+        registration_errors=c.reg_errors if c else 0,
+        released_incomplete=c.released_incomplete if c else 0,
+        symbols_attached=st.symbols_attached,
+        libraries=st.libraries,
+        effective_bytes_per_second=t.series.delta("nixl_bytes", RATE_WINDOW) / busy if busy > 0 else 0.0,
+    )
+
+
+def _family_probe_views(agent: Agent) -> list[ProbeView]:
+    views: list[ProbeView] = []
+    for family in agent.families:
+        tracker = family.tracker
+        if tracker is not None:
+            states = tracker.api_states()
+            any_attached = bool(tracker.probes.attachments)
+            for api in tracker.probes.apis:
+                text = states[api.label].value if any_attached else "idle"  # no process of this kind yet
+                views.append(
+                    ProbeView(
+                        api.label, family.name, f"{api.lib}:{api.symbol}", text, False, tracker.hits.get(api.label, 0)
+                    )
+                )
+        elif family.enabled:
+            views += [
+                ProbeView(a.label, family.name, f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, family.failure)
+                for a in family.probe_apis
+            ]
+    return views
+
+
 def _probe_views(agent: Agent) -> list[ProbeView]:
     sample = agent._sample
     hits = sample.hits if sample else {}
@@ -67,29 +110,7 @@ def _probe_views(agent: Agent) -> list[ProbeView]:
         ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
         for s in agent.statuses
     ]
-    if agent.cuda_tracker is not None:
-        states = agent.cuda_tracker.api_states()
-        any_attached = bool(agent.cuda_tracker.probes.attachments)
-        for api in CUDA_APIS:
-            state = states[api.label]
-            text = state.value if any_attached else "idle"  # no CUDA process watched yet
-            views.append(
-                ProbeView(
-                    api.label,
-                    "cuda",
-                    f"{api.lib}:{api.symbol}",
-                    text,
-                    False,
-                    agent.cuda_tracker.hits.get(api.label, 0),
-                )
-            )
-    elif agent.config.probes.cuda:
-        views += [
-            ProbeView(
-                a.label, "cuda", f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, agent.cuda_family.failure
-            )
-            for a in CUDA_APIS
-        ]
+    views += _family_probe_views(agent)
     return views
 
 
@@ -100,6 +121,8 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
     lost["exec_hints_dropped"] = agent.tracker.stats.hints_dropped
     if agent.cuda_tracker is not None:
         lost.update({f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()})
+    if agent.transfer_tracker is not None:
+        lost.update(agent.transfer_tracker.lost)
     gpu = agent.gpu_used
     procs = tuple(
         ProcessView(
@@ -112,6 +135,7 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
             rates=t.series.rates(PROCESS_RATES, RATE_WINDOW),
             gpu_used_bytes=gpu.get(t.pid),
             cuda=_cuda_view(agent, t),
+            transfers=_transfer_view(agent, t),
         )
         for t in agent.tracker.tracked()
     )
@@ -160,4 +184,6 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         loop_seconds=loop_seconds,
         psi_memory_some_avg10=agent.pressure.node(),
         recent_alerts=tuple(agent.alerts.history[-50:]),
+        link_bytes_per_second=agent.link_bytes_per_second,
+        transfers_pending=agent.transfer_tracker.pending if agent.transfer_tracker else 0,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.daemon.alerts import Alert
 from kvwatch.probes.cuda import ApiCounters
+from kvwatch.probes.transfer import XferCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,21 @@ class CudaView:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferView:
+    """KV transfer counters of one process, since kvwatch attached to it."""
+
+    xfers: Mapping[tuple[str, str], XferCounters]  # (lib, op) -> calls, errors, bytes, completed, durations
+    registered_bytes: int  # RDMA: registered minus deregistered
+    registrations: int
+    deregistrations: int
+    registration_errors: int
+    released_incomplete: int
+    symbols_attached: int
+    libraries: tuple[str, ...]
+    effective_bytes_per_second: float  # NIXL: bytes over summed transfer times, last 5 s
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessView:
     key: str  # "pid@start_ticks"
     pid: int
@@ -37,6 +53,7 @@ class ProcessView:
     rates: Mapping[str, float]  # per second over the rate window
     gpu_used_bytes: int | None = None
     cuda: CudaView | None = None
+    transfers: TransferView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +100,8 @@ class Snapshot:
     loop_seconds: float = 0.0
     psi_memory_some_avg10: float | None = None
     recent_alerts: tuple[Alert, ...] = ()
+    link_bytes_per_second: float = 0.0
+    transfers_pending: int = 0
 
     @staticmethod
     def empty(reason: str = "starting") -> Snapshot:

@@ -253,175 +253,6 @@ CUDA_PATTERNS = (
 )
 
 
-class _Cuda:
-    """ctypes front to a CUDA runtime + driver (the stub, or a real one)."""
-
-    def __init__(self, lib_dir: Path) -> None:
-        self.rt = ctypes.CDLL(str(lib_dir / "libcudart.so.12"))
-        self.drv = ctypes.CDLL(str(lib_dir / "libcuda.so.1"))
-        self.rt.cudaMalloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
-        self.rt.cudaFree.argtypes = (ctypes.c_void_p,)
-        self.rt.cudaMallocAsync.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p)
-        self.rt.cudaFreeAsync.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-        self.drv.cuMemCreate.argtypes = (
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_ulonglong,
-        )
-        self.drv.cuMemRelease.argtypes = (ctypes.c_uint64,)
-        self.drv.cuMemMap.argtypes = (
-            ctypes.c_uint64,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-            ctypes.c_uint64,
-            ctypes.c_ulonglong,
-        )
-        self.drv.cuMemUnmap.argtypes = (ctypes.c_uint64, ctypes.c_size_t)
-
-    def malloc(self, size: int) -> int | None:
-        p = ctypes.c_void_p()
-        return p.value if self.rt.cudaMalloc(ctypes.byref(p), size) == 0 else None
-
-    def free(self, ptr: int) -> int:
-        return int(self.rt.cudaFree(ctypes.c_void_p(ptr)))
-
-
-SEGMENTS = (2 * MIB, 20 * MIB)
-
-
-def _step_emptycache(cu: _Cuda, cache: list[int], i: int) -> None:
-    """Segments for the step's tensors, then empty_cache() frees them in one burst."""
-    ptrs = [cu.malloc(SEGMENTS[k % 2]) for k in range(6)]
-    for p in ptrs:
-        if p:
-            cu.free(p)
-
-
-def _step_churn(cu: _Cuda, cache: list[int], i: int) -> None:
-    """Allocate and free a block per tensor as tensors come and go (no caching)."""
-    p = cu.malloc(SEGMENTS[i % 2])
-    if cache:
-        cu.free(cache.pop(0))
-    if p:
-        cache.append(p)
-
-
-def _step_oomretry(cu: _Cuda, cache: list[int], i: int) -> None:
-    """Grow until the device is full; on failure free the whole cache and retry."""
-    p = cu.malloc(SEGMENTS[1])
-    if p is None:
-        while cache:
-            cu.free(cache.pop())
-        p = cu.malloc(SEGMENTS[1])
-    if p:
-        cache.append(p)
-
-
-def _step_growth(cu: _Cuda, cache: list[int], i: int) -> None:
-    """A leak: allocations never freed."""
-    p = cu.malloc(SEGMENTS[1])
-    if p:
-        cache.append(p)
-
-
-def _step_expandable(cu: _Cuda, cache: list[int], i: int) -> None:
-    """Expandable segments: physical handles created, mapped, unmapped, released."""
-    h = ctypes.c_uint64()
-    if cu.drv.cuMemCreate(ctypes.byref(h), SEGMENTS[0], None, 0) == 0:
-        cu.drv.cuMemMap(0x7E0000000000, SEGMENTS[0], 0, h.value, 0)
-        cu.drv.cuMemUnmap(0x7E0000000000, SEGMENTS[0])
-        cu.drv.cuMemRelease(h.value)
-
-
-def _step_asyncpool(cu: _Cuda, cache: list[int], i: int) -> None:
-    """backend:cudaMallocAsync: a call per tensor, by design."""
-    ptr = ctypes.c_void_p()
-    if cu.rt.cudaMallocAsync(ctypes.byref(ptr), SEGMENTS[0], None) == 0 and ptr.value:
-        cu.rt.cudaFreeAsync(ptr, None)
-
-
-def _step_cached(cu: _Cuda, cache: list[int], i: int) -> None:
-    """Every tensor comes from the cache: no CUDA call at all."""
-
-
-CUDA_STEPS = {
-    "cached": _step_cached,
-    "emptycache": _step_emptycache,
-    "uncached": _step_churn,
-    "fragmentation": _step_churn,
-    "oomretry": _step_oomretry,
-    "growth": _step_growth,
-    "expandable": _step_expandable,
-    "asyncpool": _step_asyncpool,
-}
-
-
-def cmd_cuda(args: argparse.Namespace) -> None:
-    """Phases on stdin: each line "PATTERN RATE SECONDS" runs that allocator pattern at RATE
-    steps/s for SECONDS, then answers "done"; "quit" ends."""
-    cu = _Cuda(Path(args.lib_dir))
-    cache: list[int] = []
-    for _ in range(args.prealloc):
-        p = cu.malloc(20 * MIB)
-        if p:
-            cache.append(p)
-    _say("ready")
-    i = 0
-    while True:
-        line = sys.stdin.readline().split()
-        if not line or line[0] == "quit":
-            return
-        pattern, rate, seconds = line[0], float(line[1]), float(line[2])
-        period = 1.0 / rate if rate > 0 else seconds
-        end = time.monotonic() + seconds
-        nxt = time.monotonic()
-        while time.monotonic() < end:
-            CUDA_STEPS[pattern](cu, cache, i)
-            i += 1
-            nxt += period
-            time.sleep(max(0.0, nxt - time.monotonic()))
-        _say("done")
-
-
-def cmd_cudacalls(args: argparse.Namespace) -> None:
-    """Exact numbers of CUDA runtime calls through a given libcudart (real or stub).
-    Lines: "call N" (N cudaMalloc then N cudaFree), "load PATH" (dlopen another
-    library later), "unload" (dlclose it), "map PATH" (mmap any file), "quit"."""
-    libs = [ctypes.CDLL(args.lib)]
-    maps: list[mmap.mmap] = []
-    _say("ready")
-    while True:
-        words = sys.stdin.readline().split()
-        if not words or words[0] == "quit":
-            return
-        if words[0] == "call":
-            rt = libs[0]
-            ok, first_rc = 0, None
-            ptrs = []
-            for i in range(int(words[1])):
-                p = ctypes.c_void_p()
-                rc = rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(PAGE * (i + 1)))
-                first_rc = rc if first_rc is None else first_rc
-                ok += rc == 0
-                ptrs.append(p.value if rc == 0 and p.value else 0x1000 + i)
-            for ptr in ptrs:
-                rt.cudaFree(ctypes.c_void_p(ptr))
-            _say(f"done {ok} {first_rc}")
-        elif words[0] == "load":
-            libs.append(ctypes.CDLL(words[1]))
-            _say("loaded")
-        elif words[0] == "unload":
-            import _ctypes  # noqa: PLC0415 - dlclose lives here
-
-            _ctypes.dlclose(libs.pop()._handle)
-            _say("unloaded")
-        elif words[0] == "map":
-            with open(words[1], "rb") as f:
-                maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
-            _say("mapped")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvwatch.daemon.workloads")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -435,20 +266,26 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("oom")
     s = sub.add_parser("read")
     s.add_argument("files", nargs="+")
+    s = sub.add_parser("xferstub")
+    s.add_argument("--lib-dir", required=True)
+    s = sub.add_parser("ncclcalls")
+    s.add_argument("--lib", required=True)
     s = sub.add_parser("cudacalls")
     s.add_argument("--lib", required=True)
     s = sub.add_parser("cuda")
     s.add_argument("--lib-dir", required=True)
     s.add_argument("--prealloc", type=int, default=4)
     args = p.parse_args(argv)
-    {
-        "pages": cmd_pages,
-        "engine": cmd_engine,
-        "oom": cmd_oom,
-        "read": cmd_read,
-        "cuda": cmd_cuda,
-        "cudacalls": cmd_cudacalls,
-    }[args.cmd](args)
+    if args.cmd in ("cuda", "cudacalls"):
+        from kvwatch.daemon import workloads_cuda as mod  # noqa: PLC0415 - only these need CUDA stubs
+
+        {"cuda": mod.cmd_cuda, "cudacalls": mod.cmd_cudacalls}[args.cmd](args)
+    elif args.cmd in ("xferstub", "ncclcalls"):
+        from kvwatch.daemon import workloads_xfer as xfer  # noqa: PLC0415
+
+        {"xferstub": xfer.cmd_xferstub, "ncclcalls": xfer.cmd_ncclcalls}[args.cmd](args)
+    else:
+        {"pages": cmd_pages, "engine": cmd_engine, "oom": cmd_oom, "read": cmd_read}[args.cmd](args)
 
 
 if __name__ == "__main__":

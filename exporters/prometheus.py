@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 from kvwatch.daemon.alerts import ALERT_NAMES
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.probes.cuda import CUDA_APIS, ApiCounters
+from kvwatch.probes.transfer import BUCKET_BOUNDS, XferCounters
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.process_collector import ProcessCollector
@@ -108,6 +110,7 @@ class SnapshotCollector(Collector):
 
         yield from self._process_families(s)
         yield from self._cuda_families(s)
+        yield from self._transfer_families(s)
         yield from self._tier_families(s)
 
         oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
@@ -237,6 +240,88 @@ class SnapshotCollector(Collector):
             failures,
             attached,
         )
+
+    def _transfer_families(self, s: Snapshot) -> Iterator[Metric]:
+        labels = list(PROCESS_LABELS)
+        nbytes = CounterMetricFamily(
+            "kvwatch_transfer_bytes",
+            "bytes moved by KV transfer calls (nixl: completed transfers; ucx, nccl: submitted)",
+            labels=[*labels, "lib", "op"],
+        )
+        calls = CounterMetricFamily(
+            "kvwatch_transfer_calls", "transfer calls (nixl: posts) by result", labels=[*labels, "lib", "op", "result"]
+        )
+        completed = CounterMetricFamily(
+            "kvwatch_transfer_completed", "NIXL transfers completed", labels=[*labels, "lib"]
+        )
+        duration = HistogramMetricFamily(
+            "kvwatch_transfer_duration_seconds", "per-transfer completion time (post to done)", labels=[*labels, "lib"]
+        )
+        bandwidth = GaugeMetricFamily(
+            "kvwatch_transfer_effective_bandwidth_bytes",
+            "bytes over the summed per-transfer completion times, last 5 s",
+            labels=[*labels, "lib"],
+        )
+        utilization = GaugeMetricFamily(
+            "kvwatch_transfer_link_utilization_ratio",
+            "effective bandwidth over the configured link bandwidth",
+            labels=[*labels, "lib"],
+        )
+        registered = GaugeMetricFamily(
+            "kvwatch_rdma_registered_bytes",
+            "memory registered for RDMA (ibv_reg_mr*) minus deregistered",
+            labels=labels,
+        )
+        registrations = CounterMetricFamily(
+            "kvwatch_rdma_registrations", "RDMA memory registrations by result", labels=[*labels, "result"]
+        )
+        attached = GaugeMetricFamily("kvwatch_transfer_probes_attached", "transfer API symbols probed", labels=labels)
+        for p in s.processes:
+            x = p.transfers
+            if x is None:
+                continue
+            v = _values(p.labels, PROCESS_LABELS)
+            attached.add_metric(v, x.symbols_attached)
+            registered.add_metric(v, x.registered_bytes)
+            registrations.add_metric([*v, "ok"], x.registrations)
+            registrations.add_metric([*v, "error"], x.registration_errors)
+            per_lib: dict[str, XferCounters] = {}
+            for (lib, op), c in sorted(x.xfers.items()):
+                nbytes.add_metric([*v, lib, op], c.bytes)
+                calls.add_metric([*v, lib, op, "ok"], c.calls - c.errors if lib == "nixl" else c.calls)
+                calls.add_metric([*v, lib, op, "error"], c.errors)
+                agg = per_lib.get(lib)
+                per_lib[lib] = (
+                    c
+                    if agg is None
+                    else XferCounters(
+                        completed=agg.completed + c.completed,
+                        duration_ns=agg.duration_ns + c.duration_ns,
+                        buckets=tuple(a + b for a, b in zip(agg.buckets, c.buckets, strict=True)),
+                    )
+                )
+            nixl = per_lib.get("nixl")
+            if nixl is not None:
+                completed.add_metric([*v, "nixl"], nixl.completed)
+                running = 0
+                buckets = []
+                for bound, n in zip(BUCKET_BOUNDS, nixl.buckets, strict=False):
+                    running += n
+                    buckets.append((f"{bound:.9g}", running))
+                buckets.append(("+Inf", nixl.completed))
+                duration.add_metric([*v, "nixl"], buckets, nixl.duration_ns / 1e9)
+                bandwidth.add_metric([*v, "nixl"], x.effective_bytes_per_second)
+                if s.link_bytes_per_second > 0:
+                    utilization.add_metric([*v, "nixl"], x.effective_bytes_per_second / s.link_bytes_per_second)
+        yield from (nbytes, calls, completed, duration, bandwidth, utilization, registered, registrations, attached)
+        link = GaugeMetricFamily(
+            "kvwatch_transfer_link_bandwidth_bytes", "configured KV transfer link bandwidth (bytes/s, 0: unknown)"
+        )
+        link.add_metric([], s.link_bytes_per_second)
+        yield link
+        pending = GaugeMetricFamily("kvwatch_transfer_pending", "NIXL transfers posted and not completed yet")
+        pending.add_metric([], s.transfers_pending)
+        yield pending
 
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
         evicted = CounterMetricFamily(
