@@ -52,10 +52,10 @@ class Baseline:
     last_t: float | None = None
 
     def update(self, x: float, t: float) -> None:
-        if self.last_t is None:
+        if self.weight == 0.0:  # nothing learnt yet (time may have passed in hold())
             self.value, self.weight, self.last_t = x, 1.0, t
             return
-        dt = max(t - self.last_t, 0.0)
+        dt = max(t - (self.last_t if self.last_t is not None else t), 0.0)
         self.last_t = t
         keep = math.pow(0.5, dt / self.half_life) if self.half_life > 0 else 0.0
         self.value = keep * self.value + (1.0 - keep) * x

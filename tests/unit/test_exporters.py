@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.alerts import Alert
-from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView
+from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.cuda import ApiCounters
+from kvwatch.probes.transfer import XferCounters
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,6 +68,27 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                     symbols_attached=17,
                     libraries=("/usr/lib/libcudart.so.12",),
                     ucx_hooks=False,
+                ),
+                transfers=TransferView(
+                    xfers={
+                        ("nixl", "write"): XferCounters(
+                            calls=25,
+                            errors=2,
+                            bytes=23 * 64 * 2**20,
+                            completed=23,
+                            duration_ns=23 * 16_000_000,
+                            buckets=tuple(23 if b == 13 else 0 for b in range(26)),  # 16 ms: [2^23, 2^24) ns
+                        ),
+                        ("nccl", "send"): XferCounters(calls=7, bytes=7 * 2000),
+                    },
+                    registered_bytes=8 * 2**20,
+                    registrations=4,
+                    deregistrations=2,
+                    registration_errors=1,
+                    released_incomplete=0,
+                    symbols_attached=11,
+                    libraries=("/opt/nixl/libnixl.so",),
+                    effective_bytes_per_second=4.2e9,
                 ),
             ),
             ProcessView(
@@ -123,6 +145,8 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
         label_overflow=0,
         loop_seconds=0.002,
         psi_memory_some_avg10=1.5,
+        link_bytes_per_second=50e9,
+        transfers_pending=3,
     )
 
 
@@ -176,6 +200,14 @@ def test_parsed_values() -> None:
     assert out == {"device": 20 * 2**20, "host": 0, "vmm": 18 * 2**21}
     (fail,) = fams["kvwatch_cuda_alloc_failures"].samples
     assert fail.labels["code"] == "2" and fail.value == 2
+    tb = {(s.labels["lib"], s.labels["op"]): s.value for s in fams["kvwatch_transfer_bytes"].samples}
+    assert tb == {("nixl", "write"): 23 * 64 * 2**20, ("nccl", "send"): 14000}
+    le = {s.labels["le"]: s.value for s in fams["kvwatch_transfer_duration_seconds"].samples if "le" in s.labels}
+    assert le["0.008388608"] == 0 and le["0.016777216"] == 23 and le["+Inf"] == 23  # 16 ms: bucket 2^24 ns
+    (reg,) = fams["kvwatch_rdma_registered_bytes"].samples
+    assert reg.value == 8 * 2**20
+    (util,) = fams["kvwatch_transfer_link_utilization_ratio"].samples
+    assert abs(util.value - 4.2e9 / 50e9) < 1e-12
     fired = {s.labels["alert"]: s.value for s in fams["kvwatch_alerts_fired"].samples}
     assert fired["KVHostTierEvictionUnderPressure"] == 1 and fired["KVEvictionBurst"] == 0
 
