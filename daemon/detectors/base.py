@@ -44,25 +44,32 @@ class Detector(Protocol):
 
 @dataclass(slots=True)
 class Baseline:
-    """Exponentially weighted mean with a half-life in seconds; frozen while alerting."""
+    """Exponentially weighted mean with a half-life in seconds, bias-corrected: early on it is
+    the plain mean of what it has seen (not the first sample held for a half-life), later
+    the weight of the past fades by half every ``half_life``. Frozen while alerting
+    (``hold``: time passes, nothing is learnt)."""
 
     half_life: float
-    value: float = 0.0
+    weighted_sum: float = 0.0
     weight: float = 0.0  # how much history backs the value (0 → none yet)
     last_t: float | None = None
+    nominal_step: float = 1.0  # the first sample's share, as if one tick had passed
+
+    @property
+    def value(self) -> float:
+        return self.weighted_sum / self.weight if self.weight > 0 else 0.0
 
     def update(self, x: float, t: float) -> None:
-        if self.weight == 0.0:  # nothing learnt yet (time may have passed in hold())
-            self.value, self.weight, self.last_t = x, 1.0, t
-            return
-        dt = max(t - (self.last_t if self.last_t is not None else t), 0.0)
+        dt = self.nominal_step if self.last_t is None else max(t - self.last_t, 0.0)
         self.last_t = t
-        keep = math.pow(0.5, dt / self.half_life) if self.half_life > 0 else 0.0
-        self.value = keep * self.value + (1.0 - keep) * x
+        if dt == 0.0 and self.weight > 0:
+            return
+        keep = math.pow(0.5, max(dt, 1e-9) / self.half_life) if self.half_life > 0 else 0.0
+        self.weighted_sum = keep * self.weighted_sum + (1.0 - keep) * x
         self.weight = keep * self.weight + (1.0 - keep)
 
     def hold(self, t: float) -> None:
-        """Time passes without learning (the signal is alerting)."""
+        """Time passes without learning; the past keeps its weight relative to what comes next."""
         self.last_t = t
 
 

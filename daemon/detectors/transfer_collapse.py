@@ -87,7 +87,10 @@ class TransferCollapse:
                 m["concurrency"] >= st.concurrency.value
             )
             hot = warm and evidence and bw < limit and demand
-            cool = not evidence or bw >= 2 * limit
+            # Too few completions to judge is not recovery: slow transfers complete rarely.
+            # The alert clears on good bandwidth again, or when transfers stopped altogether.
+            idle = m["posts_per_second"] == 0 and m["transfers_completed"] == 0
+            cool = (evidence and bw >= 2 * limit) or idle
             firing, _changed = st.hysteresis.step(hot, cool, view.now)
             if firing or hot or not evidence:
                 for b in (st.bandwidth, st.posts, st.concurrency):

@@ -169,12 +169,20 @@ def test_probe_down_failed_and_silent() -> None:
 
 def test_baseline_half_life() -> None:
     b = Baseline(half_life=10.0)
-    b.update(0.0, 0.0)
-    b.update(100.0, 10.0)
-    assert abs(b.value - 50.0) < 1e-9
-    b.hold(20.0)
-    b.update(100.0, 30.0)
-    assert abs(b.value - 75.0) < 1e-9
+    for t in range(5):
+        b.update(100.0, float(t))
+    assert abs(b.value - 100.0) < 1e-9  # early on: the plain mean, not the first sample's
+    b2 = Baseline(half_life=10.0)
+    b2.update(40.0, 0.0)
+    b2.update(60.0, 1.0)
+    assert abs(b2.value - 50.0) < 1.0  # two young samples weigh about the same
+    for t in range(2, 1000):
+        b2.update(0.0, float(t))  # a long stretch of zeros
+    b2.update(100.0, 1010.0)  # then ten seconds (one half-life) of 100
+    assert 45.0 < b2.value < 55.0
+    b2.hold(2000.0)
+    b2.update(0.0, 2001.0)  # after a hold, learning resumes from where it was
+    assert b2.value < 55.0
 
 
 def test_hysteresis_needs_consecutive() -> None:

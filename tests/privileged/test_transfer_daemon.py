@@ -1,0 +1,148 @@
+"""A real KV-transfer slowdown: two NIXL peers in network namespaces joined by a veth pair,
+UCX forced onto TCP, the link throttled mid-run with `tc tbf` (netem is not built into
+this kernel). KVTransferBandwidthCollapse must fire during the throttled phase and not
+before, and clear once the throttle is released."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvwatch.daemon.nixl_peer import NixlPeer
+
+from tests.privileged.helpers import DaemonProcess, daemon, wait_until
+
+SIZE = 2 << 20
+CONFIG = r"""
+[daemon]
+tick_seconds = 0.5
+[discovery]
+interval_seconds = 0.5
+rules = [{ engine = "nixltest", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.nixl_peer\s+initiator\b' }]
+[probes]
+transfer_rescan_seconds = 1
+[detectors.transfer_collapse]
+warmup_seconds = 0
+baseline_min_seconds = 3
+window_seconds = 3
+min_transfers = 10
+peer_grace_seconds = 1
+confirm_windows = 2
+clear_windows = 2
+"""
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@dataclass
+class Link:
+    a: str
+    b: str
+    dev_a: str
+    dev_b: str
+
+    def throttle(self, rate: str) -> None:
+        ip(
+            "netns",
+            "exec",
+            self.a,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            self.dev_a,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "32kb",
+            "latency",
+            "400ms",
+        )
+
+    def release(self) -> None:
+        ip("netns", "exec", self.a, "tc", "qdisc", "del", "dev", self.dev_a, "root")
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    tag = f"{os.getpid() % 10000}"
+    l = Link(f"kvw{tag}a", f"kvw{tag}b", f"kv{tag}a", f"kv{tag}b")
+    ip("netns", "add", l.a)
+    ip("netns", "add", l.b)
+    try:
+        ip("link", "add", l.dev_a, "type", "veth", "peer", "name", l.dev_b)
+        ip("link", "set", l.dev_a, "netns", l.a)
+        ip("link", "set", l.dev_b, "netns", l.b)
+        ip("-n", l.a, "addr", "add", "10.98.0.1/24", "dev", l.dev_a)
+        ip("-n", l.b, "addr", "add", "10.98.0.2/24", "dev", l.dev_b)
+        for ns, dev in ((l.a, l.dev_a), (l.b, l.dev_b)):
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield l
+    finally:
+        ip("netns", "del", l.a)
+        ip("netns", "del", l.b)
+
+
+def collapse_active(d: DaemonProcess, pid: int) -> bool:
+    return d.value("kvwatch_alert_active", alert="KVTransferBandwidthCollapse", pid=str(pid)) == 1
+
+
+def test_throttled_link_fires_and_release_clears(tmp_path: Path, link: Link) -> None:
+    meta = tmp_path / "meta.json"
+    tcp = {"UCX_TLS": "tcp"}
+    target = NixlPeer("target", meta, SIZE, netns=link.b, env={**tcp, "UCX_NET_DEVICES": link.dev_b})
+    with daemon(tmp_path, CONFIG) as d:
+        init = NixlPeer("initiator", meta, SIZE, handles=64, netns=link.a, env={**tcp, "UCX_NET_DEVICES": link.dev_a})
+        try:
+            wait_until(
+                lambda: d.value("kvwatch_transfer_probes_attached", pid=str(init.pid)) > 0, 15, "probes attached"
+            )
+            base = init.ask("rate 20 8")  # ~40 MB/s over a ~1 GB/s link: the normal
+            assert base["errors"] == 0 and base["completed"] == base["posted"] > 100
+            assert not collapse_active(d, init.pid)
+            assert d.value("kvwatch_alerts_fired_total", alert="KVTransferBandwidthCollapse") == 0
+
+            def moved() -> float:
+                return d.value("kvwatch_transfer_bytes_total", pid=str(init.pid), lib="nixl", op="write")
+
+            time.sleep(1.2)  # the next tick publishes the last completions
+            assert moved() == base["bytes"]  # every byte the application moved, and nothing else
+
+            link.throttle("100mbit")  # 12.5 MB/s: demand now exceeds the link
+            result: dict[str, Any] = {}
+            runner = threading.Thread(target=lambda: result.update(init.ask("rate 20 8")))
+            t0 = time.monotonic()
+            runner.start()
+            wait_until(lambda: collapse_active(d, init.pid), 8, "KVTransferBandwidthCollapse during the throttle")
+            fired_after = time.monotonic() - t0
+            runner.join(60)
+            lab = next(
+                lab
+                for lab, v in d.metrics()["kvwatch_alert_active"]
+                if lab["alert"] == "KVTransferBandwidthCollapse" and v == 1
+            )
+            assert lab["engine"] == "nixltest" and lab["cause"] == "bandwidth"
+            assert result["posted"] > 40  # demand held: the application kept posting
+
+            link.release()
+            init.ask("rate 20 10")
+            wait_until(lambda: not collapse_active(d, init.pid), 10, "alert cleared after the release")
+            assert d.value("kvwatch_alerts_fired_total", alert="KVTransferBandwidthCollapse") == 1
+            events = [e for e in d.log_events() if e.get("alert") == "KVTransferBandwidthCollapse"]
+            assert [e["event"] for e in events] == ["alert firing", "alert resolved"]
+            assert fired_after < 8
+        finally:
+            init.close()
+            target.close()
