@@ -77,22 +77,22 @@ class Link:
 @pytest.fixture
 def link() -> Iterator[Link]:
     tag = f"{os.getpid() % 10000}"
-    l = Link(f"kvw{tag}a", f"kvw{tag}b", f"kv{tag}a", f"kv{tag}b")
-    ip("netns", "add", l.a)
-    ip("netns", "add", l.b)
+    net = Link(f"kvw{tag}a", f"kvw{tag}b", f"kv{tag}a", f"kv{tag}b")
+    ip("netns", "add", net.a)
+    ip("netns", "add", net.b)
     try:
-        ip("link", "add", l.dev_a, "type", "veth", "peer", "name", l.dev_b)
-        ip("link", "set", l.dev_a, "netns", l.a)
-        ip("link", "set", l.dev_b, "netns", l.b)
-        ip("-n", l.a, "addr", "add", "10.98.0.1/24", "dev", l.dev_a)
-        ip("-n", l.b, "addr", "add", "10.98.0.2/24", "dev", l.dev_b)
-        for ns, dev in ((l.a, l.dev_a), (l.b, l.dev_b)):
+        ip("link", "add", net.dev_a, "type", "veth", "peer", "name", net.dev_b)
+        ip("link", "set", net.dev_a, "netns", net.a)
+        ip("link", "set", net.dev_b, "netns", net.b)
+        ip("-n", net.a, "addr", "add", "10.98.0.1/24", "dev", net.dev_a)
+        ip("-n", net.b, "addr", "add", "10.98.0.2/24", "dev", net.dev_b)
+        for ns, dev in ((net.a, net.dev_a), (net.b, net.dev_b)):
             ip("-n", ns, "link", "set", dev, "up")
             ip("-n", ns, "link", "set", "lo", "up")
-        yield l
+        yield net
     finally:
-        ip("netns", "del", l.a)
-        ip("netns", "del", l.b)
+        ip("netns", "del", net.a)
+        ip("netns", "del", net.b)
 
 
 def collapse_active(d: DaemonProcess, pid: int) -> bool:
