@@ -70,6 +70,7 @@ class UprobeFamily(Generic[P, T]):
                 if extra is not None:
                     values.update(extra(t.pid))
                 t.series.add(now, values)
+                t.series.set_gauges(self.tracker.gauges(t.pid))
 
     def not_ready(self) -> str | None:
         if self.enabled and self.probes is None:

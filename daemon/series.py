@@ -50,10 +50,17 @@ class CounterSeries:
 
 @dataclass(slots=True)
 class SeriesSet:
-    """Named counter series of one subject (a process or a tier)."""
+    """Named counter series of one subject (a process or a tier), and its latest gauges."""
 
     horizon: float = 600.0
     series: dict[str, CounterSeries] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+
+    def set_gauges(self, values: dict[str, float]) -> None:
+        self.gauges.update(values)
+
+    def gauge(self, name: str) -> float:
+        return self.gauges.get(name, 0.0)
 
     def add(self, t: float, values: dict[str, float]) -> None:
         for name, v in values.items():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.uprobe_tracking import FamilyTracker
-from kvwatch.probes.transfer import ProcessTransfers, TransferDone, TransferProbes
+from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferDone, TransferProbes
 
 PENDING_SWEEP_SECONDS = 5.0
 
@@ -55,6 +55,7 @@ class TransferTracker(FamilyTracker):
         self.peer_grace_ns = int(peer_grace_seconds * 1e9)
         self._counters: dict[int, ProcessTransfers] = {}
         self._offsets: dict[tuple[int, str, int], tuple[int, int, int]] = {}
+        self._in_flight: dict[int, tuple[InFlight, ...]] = {}
         self._next_sweep = 0.0
         self.pending = 0
         self.events: list[TransferDone] = []  # completed transfers, when `record` asked for them
@@ -64,6 +65,7 @@ class TransferTracker(FamilyTracker):
         self._counters.pop(pid, None)
         for k in [k for k in self._offsets if k[0] == pid]:
             del self._offsets[k]
+        self._in_flight.pop(pid, None)
 
     def ingest(self) -> None:
         now = self.clock()
@@ -75,6 +77,7 @@ class TransferTracker(FamilyTracker):
             del self.events[:-100_000]
         sample = self.probes.sample()
         self._counters = {pid: c for pid, c in sample.processes.items() if pid in self.attached}
+        self._in_flight = {pid: v for pid, v in sample.in_flight.items() if pid in self.attached}
         self.hits, self.lost = sample.hits, {f"transfer_{k}": v for k, v in sample.lost.items()}
         self.pending = sample.pending
 
@@ -96,6 +99,23 @@ class TransferTracker(FamilyTracker):
             out["nixl_duration_seconds"] += (p.duration_ns - base[1]) / 1e9
             out["nixl_completed"] += p.completed - base[2]
         return out
+
+    def gauges(self, pid: int) -> dict[str, float]:
+        """Transfers posted and not done yet, to known (mature) peers: how many, how many bytes,
+        and how long they have been in flight so far. Slow transfers complete rarely; these
+        are the evidence that they are slow before they complete."""
+        now_ns = time.monotonic_ns()
+        mature = {
+            p.peer
+            for p in (self._counters[pid].peers if pid in self._counters else ())
+            if now_ns - p.first_ns >= self.peer_grace_ns
+        }
+        waiting = [f for f in self._in_flight.get(pid, ()) if f.peer in mature]
+        return {
+            "nixl_in_flight": float(len(waiting)),
+            "nixl_in_flight_bytes": float(sum(f.bytes for f in waiting)),
+            "nixl_in_flight_seconds": sum(max(now_ns - f.start_ns, 0) for f in waiting) / 1e9,
+        }
 
     def state(self, pid: int) -> TransferProcessState | None:
         att = self.probes.attachments.get(pid)

@@ -116,6 +116,10 @@ class FamilyTracker:
                     out[s.api] = s.state
         return {a.label: out.get(a.label, HookState.MISSING) for a in self.probes.apis}
 
+    def gauges(self, pid: int) -> dict[str, float]:
+        """Point-in-time values of a process for the detectors (override)."""
+        return {}
+
     def symbols_attached(self, pid: int) -> int:
         att = self.probes.attachments.get(pid)
         return att.attached if att is not None and pid in self.attached else 0

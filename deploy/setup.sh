@@ -71,8 +71,9 @@ fi
 
 # --- test-only tools -------------------------------------------------------------
 if [ "$action" = test ]; then
-    # promtool (golden /metrics check), tmux (top tests), iproute2 (namespaces)
-    apt_install prometheus iproute2 tmux
+    # promtool (golden /metrics check), tmux (top tests), iproute2 (namespaces, tc tbf),
+    # gcc (stub CUDA/NIXL/verbs/NCCL libraries), libibverbs1 (a real verbs library to resolve)
+    apt_install prometheus iproute2 tmux gcc libc6-dev binutils libibverbs1
 fi
 
 # --- virtualenv --------------------------------------------------------------------
@@ -90,6 +91,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # strict editable mode: a link tree, so mypy and the tests see the same files as the daemon
     "$venv/bin/python" -m pip install -q --disable-pip-version-check \
         -e "$here$extras" --config-settings editable_mode=strict >/dev/null
+    if [ "$action" = test ]; then
+        # real transfer libraries, no GPU needed: NIXL with its bundled UCX and libibverbs, and
+        # NCCL. --no-deps: nixl-cu12 declares torch, which these tests do not use.
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+            nixl-cu12==1.5.1 numpy==2.4.6 nvidia-nccl-cu12==2.32.3 >/dev/null
+    fi
     echo "$want" > "$stamp"
     say "installed kvwatch into $venv"
 fi

@@ -137,12 +137,23 @@ class TransferDone:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlight:
+    """A NIXL transfer posted and not completed yet."""
+
+    lib: str
+    peer: int
+    bytes: int
+    start_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class TransferSample:
     monotonic_ns: int
     processes: dict[int, ProcessTransfers]
     hits: dict[str, int]
     lost: dict[str, int]
     pending: int
+    in_flight: dict[int, tuple[InFlight, ...]]  # by TGID
 
 
 class _RawEvent(ctypes.Structure):
@@ -288,6 +299,9 @@ class TransferProbes(PerProcessUprobes):
                 peers=tuple(peers.get(tgid, ())),
                 **({f: int(getattr(v, f)) for f in _PROC_FIELDS} if v is not None else {}),
             )
+        in_flight: dict[int, list[InFlight]] = {}
+        for k, v in prog.table("pending").items():
+            in_flight.setdefault(int(k.tgid), []).append(InFlight("nixl", int(v.ep), int(v.bytes), int(v.start_ns)))
         hits_t, lost_t = prog.table("hits"), prog.table("lost")
         lost = {s: sum(int(x) for x in lost_t[lost_t.Key(i)]) for i, s in enumerate(LOST_SOURCES)}
         lost["abandoned_transfers"] = self.abandoned
@@ -297,5 +311,6 @@ class TransferProbes(PerProcessUprobes):
             processes=procs,
             hits={a.label: sum(int(x) for x in hits_t[hits_t.Key(i)]) for i, a in enumerate(TRANSFER_APIS)},
             lost=lost,
-            pending=len(prog.table("pending")),
+            pending=sum(len(v) for v in in_flight.values()),
+            in_flight={k: tuple(v) for k, v in in_flight.items()},
         )

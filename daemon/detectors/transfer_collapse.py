@@ -51,14 +51,17 @@ class TransferCollapse:
         return st
 
     def measure(self, p: ProcessWindow) -> dict[str, float]:
+        """Over the window: transfers completed, plus those still in flight (their bytes over
+        their time so far — an upper bound of their bandwidth, so never an alarm of its own)."""
         w = self.config.window_seconds
         s = p.series
-        nbytes = s.delta("nixl_bytes", w)
-        busy = s.delta("nixl_duration_seconds", w)
+        nbytes = s.delta("nixl_bytes", w) + s.gauge("nixl_in_flight_bytes")
+        busy = s.delta("nixl_duration_seconds", w) + s.gauge("nixl_in_flight_seconds")
         done = s.delta("nixl_completed", w)
         out = {
             "effective_bytes_per_second": nbytes / busy if busy > 0 else 0.0,
             "transfers_completed": done,
+            "transfers_in_flight": s.gauge("nixl_in_flight"),
             "posts_per_second": s.rate("nixl_posts", w),
             "concurrency": busy / w,
             "bytes": nbytes,
@@ -78,7 +81,7 @@ class TransferCollapse:
             st = self._state_for(key)
             m = self.measure(p)
             bw = m["effective_bytes_per_second"]
-            evidence = m["transfers_completed"] >= c.min_transfers
+            evidence = m["transfers_completed"] + m["transfers_in_flight"] >= c.min_transfers
             if evidence and st.learning_since is None and p.age >= c.warmup_seconds:
                 st.learning_since = view.now
             warm = st.learning_since is not None and view.now - st.learning_since >= c.baseline_min_seconds
@@ -89,7 +92,7 @@ class TransferCollapse:
             hot = warm and evidence and bw < limit and demand
             # Too few completions to judge is not recovery: slow transfers complete rarely.
             # The alert clears on good bandwidth again, or when transfers stopped altogether.
-            idle = m["posts_per_second"] == 0 and m["transfers_completed"] == 0
+            idle = m["posts_per_second"] == 0 and m["transfers_completed"] == 0 and m["transfers_in_flight"] == 0
             cool = (evidence and bw >= 2 * limit) or idle
             firing, _changed = st.hysteresis.step(hot, cool, view.now)
             if firing or hot or not evidence:

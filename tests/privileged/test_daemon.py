@@ -258,6 +258,8 @@ def test_doctor_json_all_canaries_pass() -> None:
         "canary process_exit",
         "canary cuda",
         "probe cuda attach",
+        "canary transfer",
+        "probe transfer attach",
     ):
         assert canary in names
 

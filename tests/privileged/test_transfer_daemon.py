@@ -5,16 +5,14 @@ before, and clear once the throttle is released."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kvwatch.daemon.netlab import Link, veth_pair
 from kvwatch.daemon.nixl_peer import NixlPeer
 
 from tests.privileged.helpers import DaemonProcess, daemon, wait_until
@@ -39,60 +37,10 @@ clear_windows = 2
 """
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-@dataclass
-class Link:
-    a: str
-    b: str
-    dev_a: str
-    dev_b: str
-
-    def throttle(self, rate: str) -> None:
-        ip(
-            "netns",
-            "exec",
-            self.a,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            self.dev_a,
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "32kb",
-            "latency",
-            "400ms",
-        )
-
-    def release(self) -> None:
-        ip("netns", "exec", self.a, "tc", "qdisc", "del", "dev", self.dev_a, "root")
-
-
 @pytest.fixture
 def link() -> Iterator[Link]:
-    tag = f"{os.getpid() % 10000}"
-    net = Link(f"kvw{tag}a", f"kvw{tag}b", f"kv{tag}a", f"kv{tag}b")
-    ip("netns", "add", net.a)
-    ip("netns", "add", net.b)
-    try:
-        ip("link", "add", net.dev_a, "type", "veth", "peer", "name", net.dev_b)
-        ip("link", "set", net.dev_a, "netns", net.a)
-        ip("link", "set", net.dev_b, "netns", net.b)
-        ip("-n", net.a, "addr", "add", "10.98.0.1/24", "dev", net.dev_a)
-        ip("-n", net.b, "addr", "add", "10.98.0.2/24", "dev", net.dev_b)
-        for ns, dev in ((net.a, net.dev_a), (net.b, net.dev_b)):
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+    with veth_pair("kvt") as net:
         yield net
-    finally:
-        ip("netns", "del", net.a)
-        ip("netns", "del", net.b)
 
 
 def collapse_active(d: DaemonProcess, pid: int) -> bool:
@@ -125,7 +73,22 @@ def test_throttled_link_fires_and_release_clears(tmp_path: Path, link: Link) -> 
             runner = threading.Thread(target=lambda: result.update(init.ask("rate 20 8")))
             t0 = time.monotonic()
             runner.start()
-            wait_until(lambda: collapse_active(d, init.pid), 8, "KVTransferBandwidthCollapse during the throttle")
+            seen: list[tuple[float, float, float]] = []
+
+            def fired() -> bool:
+                seen.append(
+                    (
+                        round(time.monotonic() - t0, 1),
+                        d.value("kvwatch_transfer_effective_bandwidth_bytes", pid=str(init.pid)) / 1e6,
+                        d.value("kvwatch_transfer_completed_total", pid=str(init.pid)),
+                    )
+                )
+                return collapse_active(d, init.pid)
+
+            try:
+                wait_until(fired, 8, "KVTransferBandwidthCollapse during the throttle", interval=0.5)
+            except AssertionError as err:
+                raise AssertionError(f"{err}; (t, MB/s, completed): {seen}") from None
             fired_after = time.monotonic() - t0
             runner.join(60)
             lab = next(

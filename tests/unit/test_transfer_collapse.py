@@ -88,6 +88,18 @@ def test_slow_transfers_piling_up_count_as_demand() -> None:
     assert any(states)
 
 
+def test_in_flight_transfers_are_evidence_of_slowness() -> None:
+    s = Sim(cfg())
+    for _ in range(15):
+        s.step(20, 0.004)
+    # the link stalls: 1 completion a second, 40 transfers stuck for ~2 s each
+    s.series.set_gauges({"nixl_in_flight": 40, "nixl_in_flight_bytes": 40 * 4 * MB, "nixl_in_flight_seconds": 80.0})
+    states = [s.step(1, 2.0).firing for _ in range(4)]  # type: ignore[attr-defined]
+    assert any(states)
+    f = s.step(1, 2.0)
+    assert f.values["transfers_in_flight"] == 40 and f.values["effective_bytes_per_second"] < 5 * MB  # type: ignore[attr-defined]
+
+
 def test_evidence_floor_and_warmup() -> None:
     s = Sim(cfg(min_transfers=50))
     for _ in range(15):
