@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(demo)
     demo.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0")
     demo.add_argument(
-        "--scenario", action="append", choices=["host-tier", "reuse-collapse", "oom"], help="default: all"
+        "--scenario",
+        action="append",
+        choices=["host-tier", "reuse-collapse", "transfer-collapse", "oom"],
+        help="default: all",
     )
     demo.add_argument("--work-dir", type=Path, default=Path("/var/tmp/kvwatch-demo"))
     return parser

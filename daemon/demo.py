@@ -23,14 +23,16 @@ from pathlib import Path
 
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
+from kvwatch.daemon.netlab import veth_pair
+from kvwatch.daemon.nixl_peer import NixlPeer
 from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.daemon.stublib import StubBuildError, build
+from kvwatch.daemon.stublib import StubBuildError, build, build_transfer
 from kvwatch.daemon.workloads import MIB, Workload, drop_file_cache, make_files
 
-DEMO_RULE = {
-    "engine": "demo",
-    "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom|cuda)\b",
-}
+DEMO_RULES = [
+    {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom|cuda|xferstub)\b"},
+    {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.nixl_peer\s+initiator\b"},
+]
 KV_FILES, KV_FILE_MB = 32, 16
 CGROUP_MB, SQUEEZE_MB = 768, 640
 
@@ -38,7 +40,7 @@ CGROUP_MB, SQUEEZE_MB = 768, 640
 def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     data = base.model_dump()
     data["daemon"]["listen"] = listen
-    data["discovery"]["rules"] = [*data["discovery"]["rules"], DEMO_RULE]
+    data["discovery"]["rules"] = [*data["discovery"]["rules"], *DEMO_RULES]
     data["discovery"]["interval_seconds"] = 1.0
     data["kv_tiers"]["dirs"] = [{"path": kv_dir, "name": "demo-disk-tier"}]
     data["kv_tiers"]["rescan_seconds"] = 2.0
@@ -46,6 +48,10 @@ def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     ht.update(warmup_seconds=0.0, window_seconds=2.0, floor_bytes_per_second=32 * MIB)
     data["detectors"]["reuse_collapse"].update(warmup_seconds=1.0, baseline_min_seconds=2.0)
     data["probes"]["cuda_rescan_seconds"] = 1.0
+    data["probes"]["transfer_rescan_seconds"] = 1.0
+    data["detectors"]["transfer_collapse"].update(
+        warmup_seconds=0.0, baseline_min_seconds=3.0, window_seconds=3.0, min_transfers=10, peer_grace_seconds=1.0
+    )
     return Config.model_validate(data)
 
 
@@ -154,6 +160,101 @@ def scenario_reuse_collapse(get: Callable[[], Snapshot], work: Path) -> bool | N
         return ok
 
 
+def _nixl_available() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return shutil.which("ip") is not None and any(
+        importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl_cu13", "nixl")
+    )
+
+
+def scenario_transfer_collapse(get: Callable[[], Snapshot], work: Path) -> bool | None:
+    if _nixl_available():
+        return _transfer_collapse_nixl(get, work)
+    return _transfer_collapse_stub(get, work)
+
+
+def _transfer_collapse_nixl(get: Callable[[], Snapshot], work: Path) -> bool:
+    """Two real NIXL agents in network namespaces over UCX/TCP; the veth link is throttled."""
+    size, tcp = 2 * MIB, {"UCX_TLS": "tcp"}
+    with veth_pair("kvd", 96) as link:
+        target = NixlPeer(
+            "target", work / "nixl-meta.json", size, netns=link.b, env={**tcp, "UCX_NET_DEVICES": link.dev_b}
+        )
+        init = NixlPeer(
+            "initiator",
+            work / "nixl-meta.json",
+            size,
+            handles=64,
+            netns=link.a,
+            env={**tcp, "UCX_NET_DEVICES": link.dev_a},
+        )
+        try:
+            if not _wait_for(get, _transfers_attached(init.pid), 15):
+                _say("the NIXL initiator was not attached")
+                return False
+            _say(f"NIXL initiator pid {init.pid} in netns {link.a} writes 2 MiB KV blocks to its peer, 20 a second")
+            init.ask("rate 20 6")
+            _say("throttling the link to 100 Mbit/s (tc tbf) while demand stays at 20 transfers/s")
+            link.throttle("100mbit")
+            t0 = time.monotonic()
+            done: dict[str, object] = {}
+            runner = threading.Thread(target=lambda: done.update(init.ask("rate 20 8")))
+            runner.start()
+            ok = _wait_for(get, _firing("KVTransferBandwidthCollapse"), 10)
+            _report("KVTransferBandwidthCollapse", get, ok, t0)
+            runner.join(60)
+            link.release()
+            return ok
+        finally:
+            init.close()
+            target.close()
+
+
+def _transfer_collapse_stub(get: Callable[[], Snapshot], work: Path) -> bool | None:
+    """Without NIXL installed: the stub NIXL library, transfers that take 5 ms, then 200 ms."""
+    try:
+        lib_dir = build_transfer(work / "xferstub")
+    except StubBuildError as err:
+        _say(f"transfer-collapse skipped: {err}")
+        return None
+    _say(
+        "NIXL is not installed (pip install --no-deps nixl-cu12 numpy for the real thing): "
+        "using the stub NIXL library, where transfers take as long as the demo says"
+    )
+    with Workload("xferstub", "--lib-dir", str(lib_dir)) as child:
+        child.expect("ready")
+        if not _wait_for(get, _transfers_attached(child.pid), 10):
+            _say("the stub engine was not attached")
+            return False
+        handle = 0
+        firing = _firing("KVTransferBandwidthCollapse")
+        for ms, seconds in ((5, 6.0), (200, 8.0)):
+            if ms == 200:
+                _say("each 2 MiB transfer now takes 200 ms instead of 5 ms")
+                t0 = time.monotonic()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and not (ms == 200 and firing(get())):
+                handle += 1
+                child.step(f"xfer {handle} {2 * MIB} {ms}", "ok 0")
+                time.sleep(0.045)
+        ok = firing(get())
+        _report("KVTransferBandwidthCollapse", get, ok, t0)
+        return ok
+
+
+def _transfers_attached(pid: int) -> Callable[[Snapshot], bool]:
+    return lambda s: any(p.pid == pid and p.transfers and p.transfers.symbols_attached for p in s.processes)
+
+
+def _report(name: str, get: Callable[[], Snapshot], ok: bool, t0: float) -> None:
+    if ok:
+        a = next(a for a in get().alerts if a.alert == name)
+        _say(f"ALERT {name} cause={a.cause} after {time.monotonic() - t0:.1f} s: {a.summary}")
+    else:
+        _say(f"no {name} alert")
+
+
 def scenario_oom(get: Callable[[], Snapshot]) -> bool:
     with MemoryCgroup("kvwatch-demo-oom", 64 * MIB) as cg:
         child = _engine(["oom"], cg)
@@ -196,10 +297,14 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
             return 1
         host, port = daemon.server.address
         _say(f"daemon up: http://{host}:{port}/metrics (ready={get().ready})")
-        scenarios = args.scenario or ["host-tier", "reuse-collapse", "oom"]
+        scenarios = args.scenario or ["host-tier", "reuse-collapse", "transfer-collapse", "oom"]
         try:
             if "host-tier" in scenarios:
                 results["host-tier"] = scenario_host_tier(get, work)
+            if "transfer-collapse" in scenarios:
+                transfer = scenario_transfer_collapse(get, work)
+                if transfer is not None:
+                    results["transfer-collapse"] = transfer
             if "reuse-collapse" in scenarios:
                 collapse = scenario_reuse_collapse(get, work)
                 if collapse is not None:

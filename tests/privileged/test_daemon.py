@@ -273,4 +273,5 @@ def test_demo_fires_both_alerts_within_a_minute() -> None:
     assert "ALERT KVHostTierEvictionUnderPressure" in out.stdout
     assert "ALERT InferenceProcessOOMKilled" in out.stdout
     assert "ALERT KVCacheReuseCollapse cause=empty_cache" in out.stdout
+    assert "ALERT KVTransferBandwidthCollapse cause=bandwidth" in out.stdout
     assert time.monotonic() - t0 < 90
