@@ -29,7 +29,9 @@ from kvwatch.probes.transfer import TransferProbes
 
 
 def loop(exe: Path, lib_dir: Path, mode: str, n: int, probes: TransferProbes | None) -> float:
-    p = subprocess.Popen([str(exe), str(lib_dir), mode, str(n), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [str(exe), str(lib_dir), mode, str(n), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdin and p.stdout
     time.sleep(0.15)
     if probes is not None:

@@ -16,6 +16,7 @@ from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.cuda_tracking import CudaTracker
 from kvwatch.daemon.detectors.base import Finding, Subject
+from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.probe_down import ProbeDown
@@ -23,6 +24,7 @@ from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import Discovery
+from kvwatch.daemon.engine_taps import EngineTaps
 from kvwatch.daemon.families import UprobeFamily
 from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
 from kvwatch.daemon.logs import ErrorBook
@@ -94,6 +96,7 @@ class Agent:
         memory: MemoryProbes | None,
         cuda: CudaProbes | None = None,
         transfer: TransferProbes | None = None,
+        engines: EngineTaps | None = None,
         procfs: ProcFS | None = None,
         nvml: Nvml | None = None,
         sinks: Sequence[AlertSink] | None = None,
@@ -146,6 +149,10 @@ class Agent:
         self.reuse = ReuseCollapse(config.detectors.reuse_collapse)
         self.transfer_collapse = TransferCollapse(config.detectors.transfer_collapse, self.link_bytes_per_second)
         self.probe_down = ProbeDown()
+        self.eviction = EvictionBurst(config.detectors.eviction_burst)
+        self.engines = engines
+        if engines is not None:
+            engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
         self.alerts = AlertBook(default_sinks + list(sinks or []))
         self.statuses: list[HookStatus] = []
@@ -202,6 +209,8 @@ class Agent:
             family.start(self.errors)
         if self.memory is not None or any(f.probes is not None for f in self.families):
             release_compiler_memory()
+        if self.engines is not None:
+            self.engines.start()
         self.tick()
 
     @property
@@ -241,6 +250,8 @@ class Agent:
 
     def close(self) -> None:
         self.alerts.close()
+        if self.engines is not None:
+            self.engines.close()
         for family in self.families:
             family.close()
         if self.tiers is not None:
@@ -263,6 +274,7 @@ class Agent:
             ("kv_tiers", self._refresh_tiers),
             ("cuda", lambda: self.cuda_family.tick(self.tracker.tracked())),
             ("transfer", lambda: self.transfer_family.tick(self.tracker.tracked())),
+            ("engines", self._sync_engines),
             ("sample", lambda: self._ingest(now)),
         ):
             try:
@@ -280,6 +292,7 @@ class Agent:
             self.host_tier.forget(gone.key)
             self.reuse.forget(gone.key)
             self.transfer_collapse.forget(gone.key)
+            self.eviction.forget(gone.key)
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
@@ -332,6 +345,10 @@ class Agent:
         if self.tiers is not None:
             self.tiers.sync(t.proc for t in self.tracker.tracked() if t.exited_at is None)
 
+    def _sync_engines(self) -> None:
+        if self.engines is not None:
+            self.engines.sync(self.tracker.tracked())
+
     def _refresh_tiers(self) -> None:
         if self.tiers is not None:
             self.tiers.refresh()
@@ -350,6 +367,8 @@ class Agent:
             lambda pid: {"gpu_device_total_bytes": device_total, "gpu_used_bytes": float(self.gpu_used.get(pid, 0))},
         )
         self.transfer_family.add_series(tracked, now)
+        if self.engines is not None:
+            self.engines.add_series(tracked, now)
         if self.memory is None:
             return
         sample = self.memory.sample()
@@ -438,6 +457,7 @@ class Agent:
             self.host_tier.evaluate(view)
             + self.reuse.evaluate(view)
             + self.transfer_collapse.evaluate(view)
+            + self.eviction.evaluate(view)
             + self.oom.evaluate(view)
             + self.probe_down.evaluate(self.statuses, hits, now)
         )
@@ -480,4 +500,7 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
         if use_bpf and config.probes.transfer
         else None
     )
-    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, nvml=nvml, sinks=list(sinks))
+    engines = None
+    if config.engines.kv_events or config.engines.metrics:
+        engines = EngineTaps(config.engines, ProcFS(config.discovery.proc_root), ErrorBook())
+    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, engines=engines, nvml=nvml, sinks=list(sinks))

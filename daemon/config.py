@@ -151,6 +151,54 @@ class TransfersConfig(_Section):
     link_interface: str = ""
 
 
+class EngineEndpoint(_Section):
+    """Taps given by hand, for the watched process with this pid (or whose command line matches)."""
+
+    pid: Annotated[int, Field(gt=0)] | None = None
+    cmdline: str | None = None
+    kv_events: str | None = None  # a connect address: tcp://10.0.0.5:5557
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
+    data_parallel_ranks: Annotated[int, Field(ge=1, le=256)] = 1  # streams on kv_events port + 0..N-1
+    metrics_url: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> EngineEndpoint:
+        import re  # noqa: PLC0415 - only to validate
+
+        if (self.pid is None) == (self.cmdline is None):
+            raise ValueError("give exactly one of pid or cmdline")
+        if self.cmdline is not None:
+            try:
+                re.compile(self.cmdline)
+            except re.error as err:
+                raise ValueError(f"cmdline: invalid regex {self.cmdline!r}: {err}") from err
+        if self.kv_events is None and self.metrics_url is None:
+            raise ValueError("give kv_events, metrics_url or both")
+        for name in ("kv_events", "kv_events_replay"):
+            v = getattr(self, name)
+            if v is not None and not v.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {v!r}")
+        if self.metrics_url is not None and not self.metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"metrics_url: expected http(s)://..., got {self.metrics_url!r}")
+        return self
+
+
+class EnginesConfig(_Section):
+    """Engine taps: vLLM's KV event stream and engines' own /metrics."""
+
+    kv_events: bool = True
+    kv_events_replay: bool = True
+    metrics: bool = True
+    from_cmdline: bool = True
+    scrape_interval_seconds: Annotated[float, Field(ge=0.5)] = 5.0
+    scrape_timeout_seconds: PositiveFloat = 2.0
+    replay_timeout_seconds: PositiveFloat = 2.0
+    thrash_seconds: PositiveFloat = 10.0
+    max_tracked_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
+    endpoints: list[EngineEndpoint] = []
+
+
 class DetectorCommon(_Section):
     enabled: bool = True
     warmup_seconds: NonNegFloat = 120.0
@@ -187,6 +235,20 @@ class TransferCollapseConfig(DetectorCommon):
     baseline_min_seconds: NonNegFloat = 30.0
 
 
+class EvictionBurstConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 10.0
+    factor: Annotated[float, Field(ge=1)] = 5.0
+    floor_blocks_per_second: NonNegFloat = 20.0
+    floor_tokens_per_second: NonNegFloat = 320.0  # engines that count evicted tokens (SGLang)
+    hit_drop: Annotated[float, Field(gt=0, le=1)] = 0.30  # prefix-hit ratio points below baseline
+    min_queried_tokens: NonNegFloat = 2000.0  # in the window, to judge the hit ratio at all
+    usage_pressure: Annotated[float, Field(gt=0, le=1)] = 0.9
+    thrash_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5  # of removals, blocks stored < thrash_seconds ago
+    thrash_preemptions_per_second: NonNegFloat = 1.0
+    quiet_after_reset_seconds: NonNegFloat = 60.0  # prefix-cache reset / sleep: intentional, re-learn
+    baseline_min_seconds: NonNegFloat = 30.0
+
+
 class OOMConfig(_Section):
     enabled: bool = True
     include_cgroup_siblings: bool = True
@@ -197,6 +259,7 @@ class DetectorsConfig(_Section):
     host_tier_eviction: HostTierEvictionConfig = HostTierEvictionConfig()
     reuse_collapse: ReuseCollapseConfig = ReuseCollapseConfig()
     transfer_collapse: TransferCollapseConfig = TransferCollapseConfig()
+    eviction_burst: EvictionBurstConfig = EvictionBurstConfig()
     oom: OOMConfig = OOMConfig()
 
 
@@ -210,6 +273,7 @@ class Config(_Section):
     kv_tiers: KVTiersConfig = KVTiersConfig()
     probes: ProbesConfig = ProbesConfig()
     transfers: TransfersConfig = TransfersConfig()
+    engines: EnginesConfig = EnginesConfig()
     detectors: DetectorsConfig = DetectorsConfig()
     alerts: AlertsConfig = AlertsConfig()
 

@@ -123,6 +123,8 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         lost.update({f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()})
     if agent.transfer_tracker is not None:
         lost.update(agent.transfer_tracker.lost)
+    if agent.engines is not None:
+        lost["kv_event_batches"] = agent.engines.lost_batches
     gpu = agent.gpu_used
     procs = tuple(
         ProcessView(
@@ -136,6 +138,9 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
             gpu_used_bytes=gpu.get(t.pid),
             cuda=_cuda_view(agent, t),
             transfers=_transfer_view(agent, t),
+            engine=agent.engines.view(t, agent.config.detectors.eviction_burst.window_seconds)
+            if agent.engines
+            else None,
         )
         for t in agent.tracker.tracked()
     )

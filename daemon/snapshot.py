@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.engine_taps import EngineView
 from kvwatch.probes.cuda import ApiCounters
 from kvwatch.probes.transfer import XferCounters
 
@@ -54,6 +55,7 @@ class ProcessView:
     gpu_used_bytes: int | None = None
     cuda: CudaView | None = None
     transfers: TransferView | None = None
+    engine: EngineView | None = None  # KV event streams and /metrics of this engine process
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 PROCESS_LABELS = ("pid", "engine", "role", "component", "container", "pod")
-ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe")
+ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium")
 OOM_LABELS = ("engine", "role", "container", "pod")
 
 
@@ -111,6 +111,7 @@ class SnapshotCollector(Collector):
         yield from self._process_families(s)
         yield from self._cuda_families(s)
         yield from self._transfer_families(s)
+        yield from self._engine_families(s)
         yield from self._tier_families(s)
 
         oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
@@ -322,6 +323,90 @@ class SnapshotCollector(Collector):
         pending = GaugeMetricFamily("kvwatch_transfer_pending", "NIXL transfers posted and not completed yet")
         pending.add_metric([], s.transfers_pending)
         yield pending
+
+    def _engine_families(self, s: Snapshot) -> Iterator[Metric]:
+        labels = list(PROCESS_LABELS)
+        stored = CounterMetricFamily(
+            "kvwatch_kv_blocks_stored",
+            "KV blocks stored, from the engine's KV event stream",
+            labels=[*labels, "medium"],
+        )
+        removed = CounterMetricFamily(
+            "kvwatch_kv_blocks_removed",
+            "KV blocks evicted, from the engine's KV event stream",
+            labels=[*labels, "medium"],
+        )
+        young = CounterMetricFamily(
+            "kvwatch_kv_blocks_removed_young",
+            "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
+            labels=[*labels, "medium"],
+        )
+        resets = CounterMetricFamily(
+            "kvwatch_kv_cache_resets", "AllBlocksCleared events (prefix-cache reset, sleep)", labels=labels
+        )
+        s_labels = [*labels, "endpoint", "dp_rank"]
+        connected = GaugeMetricFamily(
+            "kvwatch_kv_event_stream_connected", "1 while the KV event subscriber is connected", labels=s_labels
+        )
+        batches = CounterMetricFamily("kvwatch_kv_event_batches", "KV event batches decoded", labels=s_labels)
+        gaps = CounterMetricFamily("kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)", labels=s_labels)
+        replayed = CounterMetricFamily(
+            "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint", labels=s_labels
+        )
+        lost = CounterMetricFamily("kvwatch_kv_event_batches_lost", "missed batches not recovered", labels=s_labels)
+        bad = CounterMetricFamily(
+            "kvwatch_kv_event_decode_errors",
+            "messages (kind frames, sequence, payload) or events (kind event) dropped as malformed",
+            labels=[*s_labels, "kind"],
+        )
+        restarts = CounterMetricFamily(
+            "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again", labels=s_labels
+        )
+        scrapes = CounterMetricFamily(
+            "kvwatch_engine_scrapes",
+            "scrapes of the engine's /metrics by result (ok, timeout, connect, http_NNN, parse)",
+            labels=[*labels, "result"],
+        )
+        usage = GaugeMetricFamily(
+            "kvwatch_engine_kv_usage_ratio", "KV pool usage the engine reports (0..1)", labels=labels
+        )
+        hit = GaugeMetricFamily(
+            "kvwatch_engine_prefix_cache_hit_ratio",
+            "prefix-cache hits over queried tokens, over the detector window",
+            labels=labels,
+        )
+        for p in s.processes:
+            e = p.engine
+            if e is None:
+                continue
+            v = _values(p.labels, PROCESS_LABELS)
+            if e.streams:
+                for medium, (a, b, c) in sorted(e.media.items()):
+                    stored.add_metric([*v, medium], a)
+                    removed.add_metric([*v, medium], b)
+                    young.add_metric([*v, medium], c)
+                resets.add_metric(v, sum(x.cleared for x in e.streams))
+            for x in e.streams:
+                sv = [*v, x.spec.endpoint, str(x.spec.dp_rank)]
+                connected.add_metric(sv, 1 if x.connected else 0)
+                batches.add_metric(sv, x.batches)
+                gaps.add_metric(sv, x.gaps)
+                replayed.add_metric(sv, x.replayed)
+                lost.add_metric(sv, x.lost)
+                restarts.add_metric(sv, x.restarts)
+                for kind, n in sorted(x.decode_errors.items()):
+                    bad.add_metric([*sv, kind], n)
+            if e.scrape is not None:
+                scrapes.add_metric([*v, "ok"], e.scrape.ok)
+                for reason, n in sorted(e.scrape.failures.items()):
+                    scrapes.add_metric([*v, reason], n)
+                sample = e.scrape.last
+                if sample is not None and sample.usage is not None:
+                    usage.add_metric(v, sample.usage)
+            if e.hit_ratio is not None:
+                hit.add_metric(v, e.hit_ratio)
+        yield from (stored, removed, young, resets, connected, batches, gaps, replayed, lost, bad, restarts)
+        yield from (scrapes, usage, hit)
 
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
         evicted = CounterMetricFamily(

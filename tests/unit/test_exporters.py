@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.engine_metrics import EngineSample, ScrapeTarget, TargetState
+from kvwatch.daemon.engine_taps import EnginePlan, EngineView
+from kvwatch.daemon.kv_events import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
@@ -31,6 +34,60 @@ LABELS = {
     "container": "abcdef012345",
     "pod": "vllm-0",
 }
+
+
+def _stream(rank: int, gpu: MediumTotals, **kw: object) -> StreamStats:
+    spec = StreamSpec(f"tcp://127.0.0.1:{5557 + rank}", None, "", rank, "4242@77")
+    fields: dict[str, object] = {
+        "connected": True,
+        "batches": 100,
+        "events": 150,
+        "media": {"GPU": gpu},
+        "cleared": 1,
+        "gaps": 0,
+        "missed": 0,
+        "replayed": 0,
+        "lost": 0,
+        "decode_errors": {},
+        "restarts": 0,
+        "replay_requests": 0,
+        "last_seq": 99,
+        "last_batch_ts": 999.0,
+        "last_message_at": 49.0,
+        "tracked_blocks": 10,
+    }
+    fields.update(kw)
+    return StreamStats(spec=spec, **fields)  # type: ignore[arg-type]
+
+
+def engine_view() -> EngineView:
+    return EngineView(
+        plan=EnginePlan("4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics"),
+        streams=(
+            _stream(
+                0, MediumTotals(230, 190, 23), media={"GPU": MediumTotals(230, 190, 23), "CPU": MediumTotals(7, 2, 0)}
+            ),
+            _stream(
+                1,
+                MediumTotals(11, 5, 1),
+                connected=False,
+                gaps=2,
+                missed=5,
+                replayed=3,
+                lost=2,
+                restarts=1,
+                decode_errors={"payload": 4, "event": 1},
+            ),
+        ),
+        scrape=TargetState(
+            ScrapeTarget("http://127.0.0.1:8000/metrics", "4242@77"),
+            ok=41,
+            failures={"timeout": 2},
+            last=EngineSample(at=48.0, usage=0.93),
+        ),
+        scrape_age=2.0,
+        hit_ratio=0.25,
+    )
 
 
 def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
@@ -90,6 +147,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                     libraries=("/opt/nixl/libnixl.so",),
                     effective_bytes_per_second=4.2e9,
                 ),
+                engine=engine_view(),
             ),
             ProcessView(
                 key="4243@78",
@@ -181,6 +239,8 @@ def test_contract_names_present() -> None:
         "kvwatch_cuda_alloc_bytes",
         "kvwatch_cuda_free_calls",
         "kvwatch_cuda_outstanding_bytes",
+        "kvwatch_kv_blocks_removed",
+        "kvwatch_kv_blocks_stored",
     ):
         assert contract in names, contract
 
@@ -208,6 +268,18 @@ def test_parsed_values() -> None:
     assert reg.value == 8 * 2**20
     (util,) = fams["kvwatch_transfer_link_utilization_ratio"].samples
     assert abs(util.value - 4.2e9 / 50e9) < 1e-12
+    removed = {s.labels["medium"]: s.value for s in fams["kvwatch_kv_blocks_removed"].samples}
+    assert removed == {"GPU": 195, "CPU": 2}  # summed over the data-parallel ranks
+    stored = {s.labels["medium"]: s.value for s in fams["kvwatch_kv_blocks_stored"].samples}
+    assert stored == {"GPU": 241, "CPU": 7}
+    lost = {s.labels["dp_rank"]: s.value for s in fams["kvwatch_kv_event_batches_lost"].samples}
+    assert lost == {"0": 0, "1": 2}
+    bad = {s.labels["kind"]: s.value for s in fams["kvwatch_kv_event_decode_errors"].samples}
+    assert bad == {"payload": 4, "event": 1}
+    scrapes = {s.labels["result"]: s.value for s in fams["kvwatch_engine_scrapes"].samples}
+    assert scrapes == {"ok": 41, "timeout": 2}
+    (usage,) = fams["kvwatch_engine_kv_usage_ratio"].samples
+    assert usage.value == 0.93
     fired = {s.labels["alert"]: s.value for s in fams["kvwatch_alerts_fired"].samples}
     assert fired["KVHostTierEvictionUnderPressure"] == 1 and fired["KVEvictionBurst"] == 0
 

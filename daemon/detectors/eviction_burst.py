@@ -1,0 +1,225 @@
+"""KVEvictionBurst: the engine evicting its KV blocks far faster than usual, and it hurts.
+
+Per process and KV medium, over a trailing window:
+
+* eviction rate — blocks removed per second from vLLM's KV event stream
+  (``kv_removed_blocks:MEDIUM``); without a stream, the engine's own counters
+  (SGLang ``evicted_tokens`` → GPU, in tokens; LMCache CPU evicted keys → CPU);
+* hot when the rate is at least max(factor x baseline, floor) **and** the prefix-hit
+  ratio of that medium (vLLM prefix-cache hits / queries in tokens for GPU, LMCache
+  hit / requested tokens for CPU) fell at least ``hit_drop`` below its baseline with
+  ``min_queried_tokens`` queried in the window. Where no hit ratio is exported at all,
+  the rate alone decides; where it is exported but too little was queried to judge,
+  nothing fires (an idle engine cannot burst).
+* cause: ``thrash`` when most removed blocks were stored less than ``thrash_seconds``
+  before (hot blocks evicted; from the stream's own timestamps, or vLLM's sampled
+  idle-before-evict histogram) or preemptions run at ≥ ``thrash_preemptions_per_second``;
+  else ``pressure`` when KV usage ≥ ``usage_pressure``; ``unexpected`` when usage is
+  lower (a reset, a policy bug, pollution); ``unknown`` without a usage figure.
+* intentional: an ``AllBlocksCleared`` event (prefix-cache reset; vLLM sleep resets it
+  too) or the engine reporting sleep — no alert, baselines held, and the process
+  re-learns for ``baseline_min_seconds`` after ``quiet_after_reset_seconds``.
+
+One finding per process (the hottest medium names the alert's ``medium`` label).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwatch.daemon.config import EvictionBurstConfig
+from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject, threshold
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.series import SeriesSet
+
+ALERT = "KVEvictionBurst"
+STREAM_PREFIX = "kv_removed_blocks:"
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    medium: str
+    removed: str  # series of the eviction counter
+    unit: str  # blocks / tokens / keys
+    young: str | None  # series: removals of recently stored blocks
+    young_of: str | None  # ... out of this many
+    hits: str | None  # prefix-hit series (hits, queries) for this medium
+    queries: str | None
+
+
+def sources(s: SeriesSet) -> list[Source]:
+    names = s.series
+    hits_gpu = ("engine_prefix_hits", "engine_prefix_queries") if "engine_prefix_queries" in names else (None, None)
+    hits_cpu = (
+        ("lmcache_hit_tokens", "lmcache_requested_tokens") if "lmcache_requested_tokens" in names else (None, None)
+    )
+    out: list[Source] = []
+    for name in names:
+        if name.startswith(STREAM_PREFIX):
+            m = name[len(STREAM_PREFIX) :]
+            h, q = hits_gpu if m == "GPU" else hits_cpu if m == "CPU" else (None, None)
+            out.append(Source(m, name, "blocks", f"kv_removed_young:{m}", name, h, q))
+    media = {x.medium for x in out}
+    if "GPU" not in media and "engine_evicted_tokens" in names:
+        out.append(Source("GPU", "engine_evicted_tokens", "tokens", None, None, *hits_gpu))
+    if "CPU" not in media and "lmcache_evicted_keys" in names:
+        out.append(Source("CPU", "lmcache_evicted_keys", "keys", None, None, *hits_cpu))
+    return out
+
+
+@dataclass(slots=True)
+class _Medium:
+    rate: Baseline
+    hit: Baseline
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    source: Source
+    values: dict[str, float]
+    hot: bool
+    cool: bool
+    score: float
+
+
+@dataclass(slots=True)
+class _State:
+    hysteresis: Hysteresis
+    media: dict[str, _Medium] = field(default_factory=dict)
+    learning_since: float | None = None
+    quiet_until: float = 0.0
+    medium: str = ""
+    cause: str = ""
+
+
+class EvictionBurst:
+    name = ALERT
+
+    def __init__(self, config: EvictionBurstConfig) -> None:
+        self.config = config
+        self._state: dict[str, _State] = {}
+
+    def forget(self, subject_key: str) -> None:
+        self._state.pop(subject_key, None)
+
+    def _medium_state(self, st: _State, medium: str) -> _Medium:
+        m = st.media.get(medium)
+        if m is None:
+            h = self.config.baseline_half_life_seconds
+            m = st.media[medium] = _Medium(Baseline(h), Baseline(h))
+        return m
+
+    def measure(self, p: ProcessWindow, src: Source) -> dict[str, float]:
+        c = self.config
+        w = c.window_seconds
+        s = p.series
+        out = {"eviction_rate": s.rate(src.removed, w), "evicted": s.delta(src.removed, w)}
+        if src.young and src.young_of:
+            removed = s.delta(src.young_of, w)
+            out["young_fraction"] = s.delta(src.young, w) / removed if removed > 0 else 0.0
+        elif src.medium == "GPU" and "engine_idle_evict_samples" in s.series:
+            n = s.delta("engine_idle_evict_samples", w)
+            out["young_fraction"] = s.delta("engine_idle_evict_young", w) / n if n > 0 else 0.0
+        if src.hits and src.queries:
+            q = s.delta(src.queries, w)
+            out["queried_tokens"] = q
+            if q >= c.min_queried_tokens and q > 0:
+                out["hit_ratio"] = s.delta(src.hits, w) / q
+        if s.gauge("engine_metrics_fresh") and "engine_kv_usage" in s.gauges:
+            out["kv_usage"] = s.gauge("engine_kv_usage")
+        if "engine_preemptions" in s.series:
+            out["preemptions_per_second"] = s.rate("engine_preemptions", w)
+        return out
+
+    def _cause(self, m: dict[str, float], evidence: bool) -> str:
+        c = self.config
+        if (evidence and m.get("young_fraction", 0.0) >= c.thrash_fraction) or m.get(
+            "preemptions_per_second", 0.0
+        ) >= max(c.thrash_preemptions_per_second, 1e-9):
+            return "thrash"
+        if "kv_usage" not in m:
+            return "unknown"
+        return "pressure" if m["kv_usage"] >= c.usage_pressure else "unexpected"
+
+    def evaluate(self, view: NodeView) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        out: list[Finding] = []
+        for key, p in view.processes.items():
+            srcs = sources(p.series)
+            if srcs:
+                out.append(self._evaluate(key, p, srcs, view.now))
+        return out
+
+    def _evaluate(self, key: str, p: ProcessWindow, srcs: list[Source], now: float) -> Finding:
+        c = self.config
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = _State(Hysteresis(c.confirm_windows, c.clear_windows))
+        s = p.series
+        if s.delta("kv_cleared", max(c.window_seconds, 1.0)) > 0 or s.gauge("engine_sleeping") >= 1:
+            st.quiet_until = now + c.quiet_after_reset_seconds
+            st.learning_since = None
+        quiet = now < st.quiet_until
+        if not quiet and st.learning_since is None and p.age >= c.warmup_seconds:
+            st.learning_since = now
+        warm = st.learning_since is not None and now - st.learning_since >= c.baseline_min_seconds
+
+        judged = [self._judge(st, p, src, now, warm=warm, quiet=quiet) for src in srcs]
+        any_hot = any(j.hot for j in judged)
+        all_cool = all(j.cool for j in judged)
+        best = max(judged, key=lambda j: (j.hot, j.score))
+        src, m = best.source, best.values
+        was_firing = st.hysteresis.firing
+        firing, changed = st.hysteresis.step(any_hot, all_cool, now)
+        if firing and changed:
+            st.medium = src.medium
+            st.cause = self._cause(m, m["evicted"] >= c.floor_blocks_per_second)
+        elif not firing and not was_firing:
+            st.medium = src.medium
+            st.cause = ""
+        labels = {**p.subject.labels, "medium": st.medium or src.medium}
+        hit = f", prefix hits {m['hit_ratio']:.0%} (baseline {m['baseline_hit_ratio']:.0%})" if "hit_ratio" in m else ""
+        usage = f", KV usage {m['kv_usage']:.0%}" if "kv_usage" in m else ""
+        young = f", {m['young_fraction']:.0%} of them recently stored" if "young_fraction" in m else ""
+        return Finding(
+            alert=ALERT,
+            subject=Subject(key, labels),
+            firing=firing,
+            cause=st.cause if firing else "",
+            values=m,
+            summary=(
+                f"{src.medium} KV evictions of pid {p.subject.labels.get('pid', '?')} at "
+                f"{m['eviction_rate']:.0f} {src.unit}/s (baseline {m['baseline_rate']:.1f}/s){hit}{usage}{young}"
+            ),
+            severity="warning",
+        )
+
+    def _judge(self, st: _State, p: ProcessWindow, src: Source, now: float, *, warm: bool, quiet: bool) -> _Judged:
+        """One medium: hot (burst and, where exported, the hit ratio fell), cool, and learning."""
+        c = self.config
+        ms = self._medium_state(st, src.medium)
+        m = self.measure(p, src)
+        floor = c.floor_tokens_per_second if src.unit == "tokens" else c.floor_blocks_per_second
+        limit = threshold(ms.rate.value, c.factor, floor)
+        burst = m["eviction_rate"] >= limit and m["eviction_rate"] > 0
+        if src.queries is None:
+            hit_ok = True  # this engine exports no hit ratio: the rate alone decides
+        else:
+            hit_ok = "hit_ratio" in m and ms.hit.weight > 0 and m["hit_ratio"] <= ms.hit.value - c.hit_drop
+        hot = warm and not quiet and burst and hit_ok
+        m.update(
+            threshold=limit,
+            baseline_rate=ms.rate.value,
+            baseline_hit_ratio=ms.hit.value,
+            ratio_to_baseline=m["eviction_rate"] / ms.rate.value if ms.rate.value > 0 else 0.0,
+        )
+        cool = quiet or m["eviction_rate"] < 0.5 * limit or not hit_ok
+        if st.hysteresis.firing or hot or quiet:
+            ms.rate.hold(now)
+            ms.hit.hold(now)
+        elif st.learning_since is not None:
+            ms.rate.update(m["eviction_rate"], now)
+            if "hit_ratio" in m:
+                ms.hit.update(m["hit_ratio"], now)
+        return _Judged(src, m, hot, cool, m["eviction_rate"] / limit if limit > 0 else 0.0)

@@ -1,0 +1,270 @@
+"""Engine ``/metrics`` reader: the few numbers detectors join with kvwatch's own evidence.
+
+Parsed with prometheus-client's parser (the engines export with prometheus-client
+too). Names per engine (engines.md; read off vLLM 0.9.2 / 0.11.0 / 0.33.0, SGLang
+0.5.23, LMCache 0.5.6 sources); where a release exports an old and a new name for
+the same thing, the first one present in each list below is used, never both.
+
+Not re-exported: only ``EngineSample``'s fields reach detectors, plus a few derived
+gauges (usage, hit ratio) on kvwatch's own /metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+log = structlog.get_logger("kvwatch.engine_metrics")
+
+MAX_BODY = 16 << 20
+
+# field -> sample names in order of preference (counters as exposed, with _total)
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")  # 0..1
+PREFIX_QUERIES = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries_total",
+    "sglang:prompt_tokens_total",
+)
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "sglang:cached_tokens_total")
+PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+EVICTED_TOKENS = ("sglang:evicted_tokens_total",)
+IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
+SLEEP_STATE = "vllm:engine_sleep_state"
+LMCACHE_EVICTED_KEYS = ("lmcache:local_cpu_evict_keys_count_total",)
+LMCACHE_HIT_TOKENS = ("lmcache:num_hit_tokens_total",)
+LMCACHE_REQUESTED_TOKENS = ("lmcache:num_requested_tokens_total",)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One scrape. Counters are cumulative as the engine reports them; None: not exported."""
+
+    at: float  # monotonic time of the scrape
+    usage: float | None = None  # KV pool in use, 0..1 (max over engines / ranks)
+    prefix_queries: float | None = None  # tokens looked up in the prefix cache
+    prefix_hits: float | None = None  # of those, found
+    preemptions: float | None = None  # requests preempted (vLLM) / retracted (SGLang)
+    running: float | None = None
+    waiting: float | None = None
+    sleeping: bool | None = None  # vLLM sleep mode (KV pool discarded on purpose)
+    evicted_tokens: float | None = None  # SGLang radix cache evictions
+    idle_evict_samples: float | None = None  # vLLM's sampled idle-before-evict histogram: count
+    idle_evict_young: float | None = None  # ... of which idle less than thrash_seconds
+    lmcache_evicted_keys: float | None = None
+    lmcache_hit_tokens: float | None = None
+    lmcache_requested_tokens: float | None = None
+    families: int = 0
+
+    def counters(self) -> dict[str, float]:
+        """The cumulative ones, as series values."""
+        names = {
+            "engine_prefix_queries": self.prefix_queries,
+            "engine_prefix_hits": self.prefix_hits,
+            "engine_preemptions": self.preemptions,
+            "engine_evicted_tokens": self.evicted_tokens,
+            "engine_idle_evict_samples": self.idle_evict_samples,
+            "engine_idle_evict_young": self.idle_evict_young,
+            "lmcache_evicted_keys": self.lmcache_evicted_keys,
+            "lmcache_hit_tokens": self.lmcache_hit_tokens,
+            "lmcache_requested_tokens": self.lmcache_requested_tokens,
+        }
+        return {k: v for k, v in names.items() if v is not None}
+
+
+def _keep(labels: Mapping[str, str]) -> bool:
+    """SGLang exports one series per tensor-parallel rank; rank 0 speaks for the engine."""
+    return labels.get("tp_rank", "0") == "0"
+
+
+def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> EngineSample:
+    """Raises ValueError on text that is not the Prometheus exposition format."""
+    sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
+    awake: list[float] = []
+    buckets: list[tuple[float, float]] = []
+    idle_count: float | None = None
+    families = 0
+    for fam in text_string_to_metric_families(text):
+        families += 1
+        for s in fam.samples:
+            if not _keep(s.labels) or math.isnan(s.value):
+                continue
+            name = s.name
+            if name == SLEEP_STATE:
+                if s.labels.get("sleep_state") == "awake":
+                    awake.append(s.value)
+                continue
+            if name.startswith(IDLE_BEFORE_EVICT):
+                if name.endswith("_bucket"):
+                    buckets.append((float(s.labels.get("le", "inf")), s.value))
+                elif name.endswith("_count"):
+                    idle_count = (idle_count or 0.0) + s.value
+                continue
+            sums[name] = sums.get(name, 0.0) + s.value
+            maxes[name] = max(maxes.get(name, -math.inf), s.value)
+
+    def first(names: Iterable[str], table: Mapping[str, float]) -> float | None:
+        for n in names:
+            if n in table:
+                return table[n]
+        return None
+
+    young: float | None = None
+    if idle_count is not None:  # cumulative buckets: the largest edge not above thrash_seconds
+        edge = max((le for le, _ in buckets if le <= thrash_seconds), default=None)
+        young = sum(v for le, v in buckets if le == edge) if edge is not None else 0.0
+    return EngineSample(
+        at=at,
+        usage=first(USAGE, maxes),
+        prefix_queries=first(PREFIX_QUERIES, sums),
+        prefix_hits=first(PREFIX_HITS, sums),
+        preemptions=first(PREEMPTIONS, sums),
+        running=first(RUNNING, sums),
+        waiting=first(WAITING, sums),
+        sleeping=(min(awake) == 0.0) if awake else None,
+        evicted_tokens=first(EVICTED_TOKENS, sums),
+        idle_evict_samples=idle_count,
+        idle_evict_young=young,
+        lmcache_evicted_keys=first(LMCACHE_EVICTED_KEYS, sums),
+        lmcache_hit_tokens=first(LMCACHE_HIT_TOKENS, sums),
+        lmcache_requested_tokens=first(LMCACHE_REQUESTED_TOKENS, sums),
+        families=families,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeTarget:
+    url: str
+    owner: str  # the watched process's key
+
+
+@dataclass(slots=True)
+class TargetState:
+    target: ScrapeTarget
+    ok: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    last: EngineSample | None = None
+    last_error: str = ""
+
+
+def fetch(url: str, timeout: float) -> str:
+    req = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})  # noqa: S310 - http(s) only
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - scheme checked by the caller
+        body: bytes = resp.read(MAX_BODY + 1)
+    if len(body) > MAX_BODY:
+        raise ValueError(f"body larger than {MAX_BODY} bytes")
+    return body.decode("utf-8", errors="replace")
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, urllib.error.HTTPError):
+        return f"http_{err.code}"
+    if isinstance(err, TimeoutError) or "timed out" in str(err):
+        return "timeout"
+    if isinstance(err, urllib.error.URLError | ConnectionError | OSError):
+        return "connect"
+    if isinstance(err, ValueError):
+        return "parse"
+    return "other"
+
+
+class EngineScraper:
+    """Scrapes every target each ``interval`` seconds on its own thread (a few workers,
+    each request bounded by ``timeout``); the agent reads ``states()``."""
+
+    def __init__(
+        self,
+        *,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+        thrash_seconds: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        fetcher: Callable[[str, float], str] = fetch,
+    ) -> None:
+        self.interval = interval
+        self.timeout = timeout
+        self.thrash_seconds = thrash_seconds
+        self.clock = clock
+        self.fetcher = fetcher
+        self._lock = threading.Lock()
+        self._states: dict[ScrapeTarget, TargetState] = {}
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvwatch-scrape")
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvwatch-engine-metrics", daemon=True)
+            self._thread.start()
+
+    def set_targets(self, targets: Iterable[ScrapeTarget]) -> None:
+        wanted = set(targets)
+        with self._lock:
+            new = wanted - self._states.keys()
+            for t in list(self._states):
+                if t not in wanted:
+                    del self._states[t]
+            for t in new:
+                self._states[t] = TargetState(t)
+        if new:
+            self._kick.set()  # scrape a new engine at once
+
+    def states(self) -> dict[ScrapeTarget, TargetState]:
+        with self._lock:
+            return {t: TargetState(t, s.ok, dict(s.failures), s.last, s.last_error) for t, s in self._states.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout + 5)
+            self._thread = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def scrape_once(self) -> None:
+        with self._lock:
+            targets = list(self._states)
+        results = list(self._pool.map(self._scrape, targets))
+        with self._lock:
+            for target, (sample, err) in zip(targets, results, strict=True):
+                st = self._states.get(target)
+                if st is None:
+                    continue
+                if sample is not None:
+                    st.ok += 1
+                    st.last = sample
+                    st.last_error = ""
+                elif err is not None:
+                    reason = _reason(err)
+                    if not st.failures:
+                        log.warning("engine metrics scrape failed", url=target.url, reason=reason, error=str(err))
+                    st.failures[reason] = st.failures.get(reason, 0) + 1
+                    st.last_error = f"{reason}: {err}"
+
+    def _scrape(self, target: ScrapeTarget) -> tuple[EngineSample | None, BaseException | None]:
+        try:
+            text = self.fetcher(target.url, self.timeout)
+            return parse_exposition(text, at=self.clock(), thrash_seconds=self.thrash_seconds), None
+        except Exception as err:  # any failure of a peer is a counted scrape failure
+            return None, err
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._kick.clear()
+            try:
+                self.scrape_once()
+            except Exception as err:
+                log.warning("engine metrics round failed", error=str(err))
+            self._kick.wait(self.interval)

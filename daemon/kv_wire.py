@@ -1,0 +1,348 @@
+"""vLLM's KV event wire format, decoded (for the subscriber) and encoded (for test publishers).
+
+Read off ``vllm/distributed/kv_events.py`` of vLLM 0.9.2, 0.11.0 and 0.33.0 and checked
+against bytes produced by vLLM's own publisher (``tests/fixtures/kv_events``):
+
+* PUB multipart message: ``[topic, sequence (8-byte big-endian, unsigned), payload]``.
+* Replay (ROUTER): the request is ``start_seq`` as 8 bytes big-endian; a DEALER sends
+  ``[b"", start]``. Replies are ``[b"", seq, payload]`` (0.9, 0.11) or
+  ``[b"", topic, seq, payload]`` (0.33), then an end marker whose seq is ``-1``
+  (signed) and whose payload is empty.
+* payload: msgpack, by ``msgspec.msgpack.Encoder`` of ``KVEventBatch(ts, events,
+  data_parallel_rank)`` — an array (``array_like=True``). Events are a tagged union
+  tagged by class name (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``):
+  arrays with the tag first up to 0.11, maps with a ``"type"`` key from (at least)
+  0.33. Fields only ever get appended, so one decoder per shape reads every release
+  seen: unknown trailing array items and unknown map keys are skipped, missing
+  trailing ones take their defaults.
+
+Decoding never trusts the input: any malformed message raises ``WireError`` with a
+kind the caller counts; an event of an unknown type is skipped and counted while
+the rest of its batch is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+END_SEQ = -1
+SEQ_BYTES = 8
+
+# msgpack type bytes: fixarray, array16, array32 / fixmap, map16, map32
+_ARRAY = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_MAP = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+Hash = int | bytes
+
+
+class WireError(ValueError):
+    """A message that is not a vLLM KV event batch. ``kind``: frames, sequence, payload."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+# --- decoding structs (ours): only what kvwatch counts is materialised -------------------------
+class _AStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[Hash]
+    parent_block_hash: msgspec.Raw
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: msgspec.Raw
+    medium: str | None = None
+
+
+class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+    block_hashes: list[Hash]
+    medium: str | None = None
+
+
+class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _MStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[Hash]
+    block_size: int = 0
+    medium: str | None = None
+
+
+class _MRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[Hash]
+    medium: str | None = None
+
+
+class _MCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+_AEvent = _AStored | _ARemoved | _ACleared
+_MEvent = _MStored | _MRemoved | _MCleared
+
+STORED = (_AStored, _MStored)
+REMOVED = (_ARemoved, _MRemoved)
+CLEARED = (_ACleared, _MCleared)
+
+
+class _ABatchA(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_AEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ABatchM(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MEvent]
+    data_parallel_rank: int | None = None
+
+
+class _MBatchA(msgspec.Struct, gc=False):
+    ts: float
+    events: list[_AEvent]
+    data_parallel_rank: int | None = None
+
+
+class _MBatchM(msgspec.Struct, gc=False):
+    ts: float
+    events: list[_MEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ABatchRaw(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MBatchRaw(msgspec.Struct, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+Event = _AStored | _ARemoved | _ACleared | _MStored | _MRemoved | _MCleared
+
+
+@dataclass(slots=True)
+class Batch:
+    ts: float
+    events: Sequence[Event]
+    data_parallel_rank: int | None
+    skipped: int = 0  # events of an unknown type or shape, left out
+
+
+class Decoder:
+    """Decodes payloads of any layout seen; remembers which event shape the stream uses."""
+
+    def __init__(self) -> None:
+        d = msgspec.msgpack.Decoder
+        self._typed: dict[tuple[bool, bool], msgspec.msgpack.Decoder[Any]] = {
+            (True, True): d(_ABatchA),
+            (True, False): d(_ABatchM),
+            (False, True): d(_MBatchA),
+            (False, False): d(_MBatchM),
+        }
+        self._raw: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(_ABatchRaw), False: d(_MBatchRaw)}
+        self._event: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(_AEvent), False: d(_MEvent)}
+        self._array_events = True  # the shape of the last batch that decoded
+
+    def decode(self, payload: bytes) -> Batch:
+        if not payload:
+            raise WireError("payload", "empty payload")
+        head = payload[0]
+        if head in _ARRAY:
+            array_batch = True
+        elif head in _MAP:
+            array_batch = False
+        else:
+            raise WireError("payload", f"not a msgpack array or map (first byte 0x{head:02x})")
+        first = self._array_events
+        for array_events in (first, not first):
+            try:
+                b = self._typed[array_batch, array_events].decode(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+            self._array_events = array_events
+            return Batch(b.ts, b.events, b.data_parallel_rank)
+        return self._salvage(payload, array_batch)
+
+    def _salvage(self, payload: bytes, array_batch: bool) -> Batch:
+        """Slow path: the envelope decodes but some events do not (a type added by a newer
+        vLLM, or garbage): keep the events that decode, count the rest."""
+        try:
+            raw = self._raw[array_batch].decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            raise WireError("payload", str(err)) from None
+        events: list[Event] = []
+        skipped = 0
+        for r in raw.events:
+            data = bytes(r)
+            if not data:
+                skipped += 1
+                continue
+            array_event = data[0] in _ARRAY
+            try:
+                events.append(self._event[array_event].decode(data))
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                skipped += 1
+        return Batch(raw.ts, events, raw.data_parallel_rank, skipped)
+
+
+def parse_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """``[topic, seq, payload]`` → (topic, seq, payload)."""
+    if len(frames) != 3:
+        raise WireError("frames", f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    topic, seq, payload = frames
+    if len(seq) != SEQ_BYTES:
+        raise WireError("sequence", f"sequence frame of {len(seq)} bytes, expected 8")
+    return topic, int.from_bytes(seq, "big"), payload
+
+
+def parse_replay(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """A replay reply on a DEALER socket → (seq, payload); seq is -1 at the end marker."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise WireError("frames", f"replay reply of {len(frames)} frames, expected [b'', (topic,) seq, payload]")
+    seq, payload = frames[-2], frames[-1]
+    if len(seq) != SEQ_BYTES:
+        raise WireError("sequence", f"sequence frame of {len(seq)} bytes, expected 8")
+    return int.from_bytes(seq, "big", signed=True), payload
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    return [b"", start_seq.to_bytes(SEQ_BYTES, "big")]
+
+
+# --- encoding: vLLM's own struct options, per release, for publishers in tests and the demo ------
+class Layout(StrEnum):
+    V0_9 = "0.9"  # array events; no medium (0.9.2)
+    V0_11 = "0.11"  # array events with medium (0.11.0)
+    V0_33 = "0.33"  # array batch, map events, many optional fields (0.33.0)
+
+
+def _structs(layout: Layout) -> dict[str, type[msgspec.Struct]]:
+    """The event classes as that vLLM release declares them (names are the tags)."""
+    arr = layout is not Layout.V0_33
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, array_like=arr, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    if layout is Layout.V0_9:
+
+        class BlockStored(KVCacheEvent):
+            block_hashes: list[Any]
+            parent_block_hash: Any
+            token_ids: list[int]
+            block_size: int
+            lora_id: int | None
+
+        class BlockRemoved(KVCacheEvent):
+            block_hashes: list[Any]
+
+    elif layout is Layout.V0_11:
+
+        class BlockStored(KVCacheEvent):  # type: ignore[no-redef]
+            block_hashes: list[Any]
+            parent_block_hash: Any
+            token_ids: list[int]
+            block_size: int
+            lora_id: int | None
+            medium: str | None
+
+        class BlockRemoved(KVCacheEvent):  # type: ignore[no-redef]
+            block_hashes: list[Any]
+            medium: str | None
+
+    else:
+
+        class BlockStored(KVCacheEvent):  # type: ignore[no-redef]
+            block_hashes: list[Any]
+            parent_block_hash: Any
+            token_ids: list[int]
+            block_size: int
+            lora_id: int | None
+            medium: str | None
+            lora_name: str | None
+            extra_keys: list[Any] | None = None
+            group_idx: int | None = None
+            kv_cache_spec_kind: str | None = None
+            kv_cache_spec_sliding_window: int | None = None
+            locality: str | None = None
+            ownership: str | None = None
+            session_id: str | None = None
+            lookahead_token_ids: list[list[int]] | None = None
+
+        class BlockRemoved(KVCacheEvent):  # type: ignore[no-redef]
+            block_hashes: list[Any]
+            medium: str | None
+            group_idx: int | None = None
+            locality: str | None = None
+            ownership: str | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    return {
+        "EventBatch": EventBatch,
+        "BlockStored": BlockStored,
+        "BlockRemoved": BlockRemoved,
+        "AllBlocksCleared": AllBlocksCleared,
+    }
+
+
+_STRUCTS: dict[Layout, dict[str, type[msgspec.Struct]]] = {}
+
+
+def encode_batch(
+    layout: Layout,
+    ts: float,
+    events: Iterable[Mapping[str, Any]],
+    data_parallel_rank: int | None = None,
+    encoder: msgspec.msgpack.Encoder | None = None,
+) -> bytes:
+    """Encode events given as ``{"type": "BlockStored", field: value, ...}`` exactly as that
+    vLLM release does (fields it does not have are dropped)."""
+    classes = _STRUCTS.get(layout)
+    if classes is None:
+        classes = _STRUCTS[layout] = _structs(layout)
+    built = []
+    for ev in events:
+        cls = classes[ev["type"]]
+        fields = cls.__struct_fields__
+        built.append(cls(**{k: v for k, v in ev.items() if k in fields}))
+    batch = classes["EventBatch"](ts=ts, events=built, data_parallel_rank=data_parallel_rank)
+    return (encoder or msgspec.msgpack.Encoder()).encode(batch)
+
+
+def stored(
+    hashes: Sequence[Hash], token_ids: Sequence[int], *, medium: str | None = "GPU", parent: Hash | None = None
+) -> dict[str, Any]:
+    block_size = len(token_ids) // max(len(hashes), 1)
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(token_ids),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
+
+
+def removed(hashes: Sequence[Hash], *, medium: str | None = "GPU") -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+
+
+def cleared() -> dict[str, Any]:
+    return {"type": "AllBlocksCleared"}
