@@ -26,18 +26,21 @@ from kvwatch.daemon.procfs import (
 # Command-line rules are anchored at the program (argv[0], or python -m MODULE):
 # a shell whose arguments merely mention "vllm serve" is not an engine.
 _PY_M = r"^(\S*/)?python[0-9.]*(\s+-\S+)*\s+-m\s+"
+# A console script (pip's ``vllm``, ``sglang``) runs through its shebang: the kernel makes
+# the command line "/venv/bin/python3 /venv/bin/vllm serve ...", the interpreter first.
+_SCRIPT = r"^((\S*/)?python[0-9.]*(\s+-\S+)*\s+)?(\S*/)?"
 DEFAULT_RULES: tuple[EngineRule, ...] = (
     EngineRule(engine="vllm", comm=r"^VLLM::"),
     EngineRule(engine="vllm", cmdline=r"^VLLM::"),
-    EngineRule(engine="vllm", cmdline=r"^(\S*/)?vllm\s+serve\b|" + _PY_M + r"vllm(\.entrypoints\S*)?(\s|$)"),
+    EngineRule(engine="vllm", cmdline=_SCRIPT + r"vllm\s+serve\b|" + _PY_M + r"vllm(\.entrypoints\S*)?(\s|$)"),
     EngineRule(engine="sglang", comm=r"^sglang::"),
     EngineRule(engine="sglang", cmdline=r"^sglang::"),
-    EngineRule(engine="sglang", cmdline=r"^(\S*/)?sglang\s+serve\b|" + _PY_M + r"sglang\.launch_server\b"),
+    EngineRule(engine="sglang", cmdline=_SCRIPT + r"sglang\s+serve\b|" + _PY_M + r"sglang\.launch_server\b"),
     EngineRule(engine="tgi", comm=r"^text-generation"),
-    EngineRule(engine="tgi", cmdline=r"^(\S*/)?text-generation-(router|server|launcher)\b"),
+    EngineRule(engine="tgi", cmdline=_SCRIPT + r"text-generation-(router|server|launcher)\b"),
     EngineRule(engine="triton", comm=r"^tritonserver$"),
-    EngineRule(engine="lmdeploy", cmdline=r"^(\S*/)?lmdeploy\s+serve\b"),
-    EngineRule(engine="lmcache", cmdline=r"^(\S*/)?lmcache_server\b|" + _PY_M + r"lmcache[\w.]*\.server\b"),
+    EngineRule(engine="lmdeploy", cmdline=_SCRIPT + r"lmdeploy\s+serve\b"),
+    EngineRule(engine="lmcache", cmdline=_SCRIPT + r"lmcache_server\b|" + _PY_M + r"lmcache[\w.]*\.server\b"),
     EngineRule(engine="dynamo", cmdline=r"^(\S*/)?dynamo-run\b|" + _PY_M + r"dynamo\."),
 )
 

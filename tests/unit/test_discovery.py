@@ -184,3 +184,17 @@ def test_cgroup_parsing_variants() -> None:
     host = ["0::/user.slice/user-0.slice/session-1.scope"]
     assert parse_cgroup(host).container_id == "" and parse_cgroup(host).pod_uid == ""
     assert parse_cgroup(["garbage", "", "1:2"]).path == ""
+
+
+def test_console_scripts_through_their_interpreter(tmp_path: Path) -> None:
+    """pip's console scripts run through their shebang: the kernel puts the interpreter first."""
+    procs = [
+        FakeProc(200, "vllm", ["/opt/venv/bin/python3", "/opt/venv/bin/vllm", "serve", "m", "--port", "8001"]),
+        FakeProc(201, "python3", ["/usr/bin/python3.12", "-u", "/usr/local/bin/sglang", "serve", "--model-path", "m"]),
+        FakeProc(202, "python3", ["python3", "/home/me/not-vllm.py", "serve"]),
+        FakeProc(203, "python3", ["python3", "/home/me/vllm", "bench", "serve"]),
+    ]
+    found = by_pid(disc(tmp_path, procs))
+    assert set(found) == {200, 201}
+    assert found[200].labels.component == "api_server"  # type: ignore[attr-defined]
+    assert found[201].labels.engine == "sglang"  # type: ignore[attr-defined]

@@ -1,0 +1,199 @@
+"""KVEvictionBurst on synthetic per-process series: the detector is pure, so every case runs here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from kvwatch.daemon.alerts import AlertBook
+from kvwatch.daemon.config import EvictionBurstConfig
+from kvwatch.daemon.detectors.base import Finding, Subject
+from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.series import SeriesSet
+
+CFG = EvictionBurstConfig(
+    warmup_seconds=10,
+    baseline_min_seconds=20,
+    window_seconds=5,
+    confirm_windows=2,
+    clear_windows=3,
+    quiet_after_reset_seconds=15,
+)
+
+
+@dataclass
+class Engine:
+    """Cumulative counters of one simulated engine, fed one second at a time."""
+
+    series: SeriesSet = field(default_factory=SeriesSet)
+    t: float = 0.0
+    c: dict[str, float] = field(default_factory=dict)
+    usage: float | None = 0.5
+    sleeping: bool = False
+    stream: bool = True  # KV events (else only engine counters)
+    hits_exported: bool = True
+
+    def second(
+        self,
+        *,
+        removed: float = 2,
+        young: float = 0,
+        queries: float = 4000,
+        hit: float = 0.8,
+        cleared: int = 0,
+        preempt: float = 0,
+        evicted_tokens: float | None = None,
+    ) -> None:
+        self.t += 1
+        add = self.c.__setitem__
+        get = self.c.get
+        if self.stream:
+            add("kv_removed_blocks:GPU", get("kv_removed_blocks:GPU", 0) + removed)
+            add("kv_removed_young:GPU", get("kv_removed_young:GPU", 0) + young)
+            add("kv_stored_blocks:GPU", get("kv_stored_blocks:GPU", 0) + removed)
+            add("kv_cleared", get("kv_cleared", 0) + cleared)
+        if evicted_tokens is not None:
+            add("engine_evicted_tokens", get("engine_evicted_tokens", 0) + evicted_tokens)
+        if self.hits_exported:
+            add("engine_prefix_queries", get("engine_prefix_queries", 0) + queries)
+            add("engine_prefix_hits", get("engine_prefix_hits", 0) + queries * hit)
+        add("engine_preemptions", get("engine_preemptions", 0) + preempt)
+        self.series.add(self.t, dict(self.c))
+        gauges = {"engine_metrics_fresh": 1.0, "engine_sleeping": float(self.sleeping)}
+        if self.usage is not None:
+            gauges["engine_kv_usage"] = self.usage
+        self.series.set_gauges(gauges)
+        if self.usage is None:
+            self.series.gauges.pop("engine_kv_usage", None)
+
+
+class Run:
+    def __init__(self, cfg: EvictionBurstConfig = CFG, **engine: object) -> None:
+        self.det = EvictionBurst(cfg)
+        self.eng = Engine(**engine)  # type: ignore[arg-type]
+        self.book = AlertBook([])
+        self.log: list[Finding] = []
+
+    def seconds(self, n: int, **kw: float) -> list[Finding]:
+        out = []
+        for _ in range(n):
+            self.eng.second(**kw)  # type: ignore[arg-type]
+            p = ProcessWindow(Subject("7@1", {"pid": "7", "engine": "vllm"}), self.eng.t, self.eng.series)
+            f = self.det.evaluate(NodeView(self.eng.t, {"7@1": p}, {}))
+            self.book.apply(f, self.eng.t)
+            out += f
+        self.log += out
+        return out
+
+    @property
+    def firing(self) -> bool:
+        return bool(self.log) and self.log[-1].firing
+
+    @property
+    def onsets(self) -> int:
+        return self.book.fired["KVEvictionBurst"]
+
+
+def warm(r: Run) -> None:
+    r.seconds(60)  # warm-up (10 s) + learning (20 s) and a steady state: 2 blocks/s, 80 % hits
+    assert not r.firing and r.onsets == 0
+
+
+def test_pressure_burst_fires_once_then_clears() -> None:
+    r = Run()
+    warm(r)
+    r.eng.usage = 0.95
+    burst = r.seconds(10, removed=300, hit=0.2)
+    assert r.firing and r.onsets == 1
+    first = next(f for f in burst if f.firing)
+    assert first.cause == "pressure" and first.subject.labels["medium"] == "GPU"
+    assert first.values["eviction_rate"] >= 5 * first.values["baseline_rate"]
+    assert first.values["hit_ratio"] == pytest.approx(0.2, abs=0.15)
+    r.eng.usage = 0.5
+    r.seconds(15)
+    assert not r.firing and r.onsets == 1  # cleared after clear_windows, one onset in all
+
+
+def test_burst_without_hit_drop_is_not_an_alert() -> None:
+    r = Run()
+    warm(r)
+    r.seconds(20, removed=300, hit=0.8)  # evicting what nobody asks for again
+    assert r.onsets == 0
+
+
+def test_too_few_queried_tokens_to_judge() -> None:
+    r = Run()
+    warm(r)
+    r.seconds(20, removed=300, hit=0.0, queries=100)
+    assert r.onsets == 0
+
+
+def test_no_alert_before_warm_and_learnt() -> None:
+    r = Run()
+    r.seconds(25, removed=300, hit=0.0)  # from the start: nothing learnt to compare with
+    assert r.onsets == 0
+
+
+def test_reset_is_intentional() -> None:
+    r = Run()
+    warm(r)
+    r.seconds(1, cleared=1)
+    r.seconds(10, removed=300, hit=0.1)  # the burst right after a prefix-cache reset
+    assert r.onsets == 0
+    r.seconds(40)  # quiet period over, re-learnt
+    r.seconds(10, removed=300, hit=0.1)
+    assert r.onsets == 1  # the same burst without a reset does fire
+
+
+def test_sleep_is_intentional() -> None:
+    r = Run()
+    warm(r)
+    r.eng.sleeping = True
+    r.seconds(15, removed=300, hit=0.0)
+    assert r.onsets == 0
+
+
+@pytest.mark.parametrize(
+    ("usage", "kw", "cause"),
+    [
+        (0.3, {}, "unexpected"),
+        (0.97, {"young": 250}, "thrash"),  # most removed blocks were stored moments before
+        (0.3, {"preempt": 3}, "thrash"),
+        (None, {}, "unknown"),
+    ],
+)
+def test_causes(usage: float | None, kw: dict[str, float], cause: str) -> None:
+    r = Run(usage=0.5)
+    warm(r)
+    r.eng.usage = usage
+    fs = r.seconds(10, removed=300, hit=0.1, **kw)
+    onset = next(f for f in fs if f.firing)
+    assert onset.cause == cause
+
+
+def test_engine_counters_without_a_stream() -> None:
+    """SGLang: evicted tokens (floor in tokens) and its prompt/cached-token counters."""
+    r = Run(stream=False)
+    for _ in range(60):
+        r.seconds(1, evicted_tokens=50)
+    assert r.onsets == 0
+    r.eng.usage = 0.97
+    fs = r.seconds(10, evicted_tokens=20_000, hit=0.1)
+    onset = next(f for f in fs if f.firing)
+    assert onset.cause == "pressure" and "tokens/s" in onset.summary
+
+
+def test_rate_alone_when_no_hit_ratio_is_exported() -> None:
+    r = Run(hits_exported=False)
+    warm(r)
+    r.seconds(10, removed=300)
+    assert r.onsets == 1
+
+
+def test_floor_keeps_an_idle_engine_quiet() -> None:
+    r = Run()
+    for _ in range(60):
+        r.seconds(1, removed=0)
+    r.seconds(10, removed=10, hit=0.0)  # 10 blocks/s: infinitely above a zero baseline, under the floor
+    assert r.onsets == 0
