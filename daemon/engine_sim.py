@@ -17,9 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -350,3 +351,86 @@ def _number(w: str) -> bool:
 
 if __name__ == "__main__":
     main()
+
+
+class SimulatedEngineProcess:
+    """The stand-in run the way pip installs vLLM: a console script named ``vllm`` executed
+    through its shebang, so /proc shows "/path/python /dir/vllm serve MODEL ..." as for the real
+    engine (and kvwatch's discovery and command-line parsing see what they would see)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        http_port: int,
+        kv_events: Mapping[str, Any] | None,
+        capacity: int = 4000,
+        layout: Layout = Layout.V0_33,
+        netns: str | None = None,
+        extra: Sequence[str] = (),
+    ) -> None:
+        import json  # noqa: PLC0415
+        import subprocess  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+
+        workdir.mkdir(parents=True, exist_ok=True)
+        script = workdir / "vllm"
+        script.write_text(f"#!{sys.executable}\nfrom kvwatch.daemon.engine_sim import main\n\nmain()\n")
+        script.chmod(0o755)
+        argv = [str(script), "serve", "demo-model", "--port", str(http_port), "--capacity", str(capacity)]
+        argv += ["--layout", layout.value, *extra]
+        if kv_events is not None:
+            argv += ["--kv-events-config", json.dumps(dict(kv_events))]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdin is None or self.proc.stdout is None:
+            raise RuntimeError("simulated engine pipes missing")
+        self._in, self._out = self.proc.stdin, self.proc.stdout
+        self._expect("ready")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _expect(self, word: str, timeout: float = 30.0) -> str:
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            line = self._out.readline().strip()
+        finally:
+            timer.cancel()
+        if line != word:
+            raise RuntimeError(f"simulated engine {self.pid}: expected {word!r}, got {line!r}")
+        return line
+
+    def do(self, line: str) -> None:
+        self._in.write(line + "\n")
+        self._in.flush()
+        self._expect(f"ok {line.split(maxsplit=1)[0]}")
+
+    def stats(self) -> dict[str, int]:
+        import json  # noqa: PLC0415
+
+        self._in.write("stats\n")
+        self._in.flush()
+        out: dict[str, int] = json.loads(self._out.readline())
+        return out
+
+    def close(self) -> None:
+        import contextlib  # noqa: PLC0415
+
+        with contextlib.suppress(OSError, ValueError):
+            self._in.write("quit\n")
+            self._in.flush()
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> SimulatedEngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -77,3 +77,34 @@ def veth_pair(prefix: str = "kvw", subnet: int = 98) -> Iterator[Link]:
             ip("netns", "del", link.b)
     finally:
         ip("netns", "del", link.a)
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """A network namespace reachable from the host over a veth pair, like a Kubernetes pod."""
+
+    netns: str
+    host_dev: str
+    host_addr: str
+    pod_addr: str
+
+
+@contextmanager
+def pod_netns(prefix: str = "kvp", subnet: int = 97) -> Iterator[Pod]:
+    tag = f"{prefix}{os.getpid() % 10000}"
+    pod = Pod(tag, f"{tag}h"[:15], f"10.{subnet}.0.1", f"10.{subnet}.0.2")
+    ip("netns", "add", pod.netns)
+    try:
+        ip("link", "add", pod.host_dev, "type", "veth", "peer", "name", f"{tag}p"[:15])
+        try:
+            ip("link", "set", f"{tag}p"[:15], "netns", pod.netns)
+            ip("addr", "add", f"{pod.host_addr}/24", "dev", pod.host_dev)
+            ip("link", "set", pod.host_dev, "up")
+            ip("-n", pod.netns, "addr", "add", f"{pod.pod_addr}/24", "dev", f"{tag}p"[:15])
+            ip("-n", pod.netns, "link", "set", f"{tag}p"[:15], "up")
+            ip("-n", pod.netns, "link", "set", "lo", "up")
+            yield pod
+        finally:
+            subprocess.run(["ip", "link", "del", pod.host_dev], capture_output=True, check=False)
+    finally:
+        ip("netns", "del", pod.netns)

@@ -2,6 +2,8 @@
 
 Tests are split the way eBPF projects split them:
 * tests/unit        — no bcc, no root: parsers, config, detectors, collector, HTTP;
+* tests/integration — no bcc, no root: the daemon as a subprocess against simulated engines
+  (engine taps), several processes and sockets, tens of seconds each;
 * tests/privileged  — root on the real kernel: load, attach, trigger a known workload, assert counts;
 * tests/gpu         — run on the lent GPU machine by hand, recorded, not in CI.
 

@@ -11,11 +11,12 @@ Per process and KV medium, over a trailing window:
   ``min_queried_tokens`` queried in the window. Where no hit ratio is exported at all,
   the rate alone decides; where it is exported but too little was queried to judge,
   nothing fires (an idle engine cannot burst).
-* cause: ``thrash`` when most removed blocks were stored less than ``thrash_seconds``
-  before (hot blocks evicted; from the stream's own timestamps, or vLLM's sampled
-  idle-before-evict histogram) or preemptions run at ≥ ``thrash_preemptions_per_second``;
-  else ``pressure`` when KV usage ≥ ``usage_pressure``; ``unexpected`` when usage is
-  lower (a reset, a policy bug, pollution); ``unknown`` without a usage figure.
+* cause: ``pressure`` when KV usage ≥ ``usage_pressure`` (the root cause of what comes
+  with it); else ``thrash`` when most removed blocks were stored less than
+  ``thrash_seconds`` before (hot blocks evicted; from the stream's own timestamps, or
+  vLLM's sampled idle-before-evict histogram) or preemptions run at ≥
+  ``thrash_preemptions_per_second``; else ``unexpected`` (usage is low: a reset, a policy
+  bug, pollution), or ``unknown`` without a usage figure.
 * intentional: an ``AllBlocksCleared`` event (prefix-cache reset; vLLM sleep resets it
   too) or the engine reporting sleep — no alert, baselines held, and the process
   re-learns for ``baseline_min_seconds`` after ``quiet_after_reset_seconds``.
@@ -132,14 +133,16 @@ class EvictionBurst:
         return out
 
     def _cause(self, m: dict[str, float], evidence: bool) -> str:
+        """Pressure first: a full pool is the root cause of the hot-block evictions and
+        preemptions that come with it; below it, hot blocks or preemptions are thrash."""
         c = self.config
+        if m.get("kv_usage", 0.0) >= c.usage_pressure:
+            return "pressure"
         if (evidence and m.get("young_fraction", 0.0) >= c.thrash_fraction) or m.get(
             "preemptions_per_second", 0.0
         ) >= max(c.thrash_preemptions_per_second, 1e-9):
             return "thrash"
-        if "kv_usage" not in m:
-            return "unknown"
-        return "pressure" if m["kv_usage"] >= c.usage_pressure else "unexpected"
+        return "unexpected" if "kv_usage" in m else "unknown"
 
     def evaluate(self, view: NodeView) -> list[Finding]:
         if not self.config.enabled:
@@ -215,7 +218,7 @@ class EvictionBurst:
             ratio_to_baseline=m["eviction_rate"] / ms.rate.value if ms.rate.value > 0 else 0.0,
         )
         cool = quiet or m["eviction_rate"] < 0.5 * limit or not hit_ok
-        if st.hysteresis.firing or hot or quiet:
+        if st.hysteresis.firing or burst or quiet:  # a burst is not learnt as normal, hit drop or not (yet)
             ms.rate.hold(now)
             ms.hit.hold(now)
         elif st.learning_since is not None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from kvwatch.daemon.engine_metrics import EngineSample, EngineScraper, ScrapeTarget, parse_exposition
@@ -19,7 +20,7 @@ FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 
 
 class _Handler(BaseHTTPRequestHandler):
-    routes: dict[str, tuple[int, bytes, float]] = {}
+    routes: ClassVar[dict[str, tuple[int, bytes, float]]] = {}
 
     def do_GET(self) -> None:
         status, body, delay = self.routes.get(self.path, (404, b"no such path", 0.0))
@@ -39,7 +40,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, dict[str, tuple[int, bytes, float]]]]:
-    routes: dict[str, tuple[int, bytes, float]] = {}
+    routes: ClassVar[dict[str, tuple[int, bytes, float]]] = {}
     handler = type("H", (_Handler,), {"routes": routes})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)

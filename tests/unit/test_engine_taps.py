@@ -153,7 +153,10 @@ def test_engine_children_are_not_tapped(tmp_path: Path) -> None:
 
 def test_local_ipv4_skips_loopback() -> None:
     assert local_ipv4(FIB_TRIE) == "10.244.1.7"
-    assert local_ipv4(FIB_TRIE.split("+-- 10.244")[0] + "+-- 127.0.0.0/8\n |-- 127.0.0.1\n /32 host LOCAL\n") is None
+    assert (
+        local_ipv4(FIB_TRIE.split("+-- 10.244", maxsplit=1)[0] + "+-- 127.0.0.0/8\n |-- 127.0.0.1\n /32 host LOCAL\n")
+        is None
+    )
 
 
 class _Recorder:
