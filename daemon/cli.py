@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--scenario",
         action="append",
-        choices=["host-tier", "reuse-collapse", "transfer-collapse", "oom"],
+        choices=["host-tier", "reuse-collapse", "transfer-collapse", "eviction-burst", "oom"],
         help="default: all",
     )
     demo.add_argument("--work-dir", type=Path, default=Path("/var/tmp/kvwatch-demo"))

@@ -6,6 +6,10 @@
 * reuse-collapse: a pretend engine allocates GPU memory through a stand-in CUDA
   runtime (built here; no GPU needed) first from its cache, then as if
   ``torch.cuda.empty_cache()`` ran every step → KVCacheReuseCollapse.
+* eviction-burst: a simulated vLLM (its KV event stream and /metrics, started as a
+  ``vllm serve`` console script) serves hot prefixes from its cache, then running
+  requests take 95 % of its KV pool: cached prefixes are evicted and the prefix-hit
+  ratio collapses → KVEvictionBurst cause=pressure.
 * oom: a pretend engine in a small cgroup allocates until the OOM killer takes
   it → InferenceProcessOOMKilled.
 
@@ -16,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.engine_sim import SimulatedEngineProcess
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.netlab import veth_pair
 from kvwatch.daemon.nixl_peer import NixlPeer
@@ -52,6 +58,8 @@ def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     data["detectors"]["transfer_collapse"].update(
         warmup_seconds=0.0, baseline_min_seconds=3.0, window_seconds=3.0, min_transfers=10, peer_grace_seconds=1.0
     )
+    data["engines"]["scrape_interval_seconds"] = 1.0
+    data["detectors"]["eviction_burst"].update(warmup_seconds=0.0, baseline_min_seconds=4.0, window_seconds=3.0)
     return Config.model_validate(data)
 
 
@@ -255,6 +263,36 @@ def _report(name: str, get: Callable[[], Snapshot], ok: bool, t0: float) -> None
         _say(f"no {name} alert")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scenario_eviction_burst(get: Callable[[], Snapshot], work: Path) -> bool:
+    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{_free_port()}"}
+    with SimulatedEngineProcess(work / "bin", http_port=_free_port(), kv_events=kv, capacity=2000) as sim:
+
+        def tapped(s: Snapshot) -> bool:
+            return any(
+                p.pid == sim.pid and p.engine and any(x.connected for x in p.engine.streams) and p.engine.scrape
+                for p in s.processes
+            )
+
+        if not _wait_for(get, tapped, 15):
+            _say("the simulated vLLM's KV event stream was not tapped")
+            return False
+        _say(f"simulated vLLM pid {sim.pid} tapped (KV events + /metrics); serving 40 req/s from 100 hot prefixes")
+        sim.do("traffic 40 100 8 0")
+        time.sleep(9)
+        _say("running requests now hold 95 % of the KV pool: the cached prefixes must go")
+        t0 = time.monotonic()
+        sim.do("active 1900")
+        ok = _wait_for(get, _firing("KVEvictionBurst"), 20)
+        _report("KVEvictionBurst", get, ok, t0)
+        return ok
+
+
 def scenario_oom(get: Callable[[], Snapshot]) -> bool:
     with MemoryCgroup("kvwatch-demo-oom", 64 * MIB) as cg:
         child = _engine(["oom"], cg)
@@ -297,7 +335,7 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
             return 1
         host, port = daemon.server.address
         _say(f"daemon up: http://{host}:{port}/metrics (ready={get().ready})")
-        scenarios = args.scenario or ["host-tier", "reuse-collapse", "transfer-collapse", "oom"]
+        scenarios = args.scenario or ["host-tier", "reuse-collapse", "transfer-collapse", "eviction-burst", "oom"]
         try:
             if "host-tier" in scenarios:
                 results["host-tier"] = scenario_host_tier(get, work)
@@ -309,6 +347,8 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
                 collapse = scenario_reuse_collapse(get, work)
                 if collapse is not None:
                     results["reuse-collapse"] = collapse
+            if "eviction-burst" in scenarios:
+                results["eviction-burst"] = scenario_eviction_burst(get, work)
             if "oom" in scenarios:
                 results["oom"] = scenario_oom(get)
         except CgroupUnavailable as err:

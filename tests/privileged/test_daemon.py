@@ -242,7 +242,7 @@ def test_unusable_listen_address_is_a_clear_error(tmp_path: Path, kvdir: Path) -
 
 
 def test_doctor_json_all_canaries_pass() -> None:
-    out = subprocess.run([*KVWATCH, "doctor", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run([*KVWATCH, "doctor", "--json"], capture_output=True, text=True, timeout=150, check=False)
     report = json.loads(out.stdout)
     failed = [c for c in report["checks"] if c["status"] == "fail"]
     assert out.returncode == 0 and report["ok"], failed
@@ -264,14 +264,15 @@ def test_doctor_json_all_canaries_pass() -> None:
         assert canary in names
 
 
-def test_demo_fires_both_alerts_within_a_minute() -> None:
+def test_demo_fires_every_alert() -> None:
     t0 = time.monotonic()
     out = subprocess.run(
-        [*KVWATCH, "demo", "--log-format", "json"], capture_output=True, text=True, timeout=120, check=False
+        [*KVWATCH, "demo", "--log-format", "json"], capture_output=True, text=True, timeout=150, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "ALERT KVHostTierEvictionUnderPressure" in out.stdout
     assert "ALERT InferenceProcessOOMKilled" in out.stdout
     assert "ALERT KVCacheReuseCollapse cause=empty_cache" in out.stdout
     assert "ALERT KVTransferBandwidthCollapse cause=bandwidth" in out.stdout
-    assert time.monotonic() - t0 < 90
+    assert "ALERT KVEvictionBurst cause=pressure" in out.stdout
+    assert time.monotonic() - t0 < 110
