@@ -20,6 +20,7 @@ from kvwatch.daemon.agent import memory_options
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.doctor_checks import FAIL, INFO, OK, SKIP, WARN, Check
 from kvwatch.daemon.doctor_cuda import cuda_canaries
+from kvwatch.daemon.doctor_engines import engine_canaries
 from kvwatch.daemon.doctor_transfer import transfer_canaries
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
@@ -314,6 +315,7 @@ def run_doctor(config: Config, *, as_json: bool = False, oom_canary: bool = True
             checks += Canaries(config, oom_canary).run()
             checks += cuda_canaries(config)
             checks += transfer_canaries(config)
+            checks += engine_canaries(config)
         except Exception as err:
             checks.append(
                 Check(

@@ -19,11 +19,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 from kvwatch.daemon.kv_wire import END_SEQ, SEQ_BYTES, Layout, encode_batch
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    ts: float
+    events: list[Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Drop:
+    n: int
+    forget: bool
 
 
 class WirePublisher:
@@ -53,11 +66,10 @@ class WirePublisher:
             self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             self._replay.bind(_offset(replay_endpoint, data_parallel_rank))
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.Queue[tuple[float, list[Mapping[str, Any]]] | bytes | None] = queue.Queue()
+        self._queue: queue.Queue[_Batch | _Drop | bytes | None] = queue.Queue()
         self._seq = 0
         self._lose = 0
         self._forget = 0
-        self._lock = threading.Lock()
         self.sent = 0
         self._idle = threading.Event()
         self._idle.set()
@@ -70,7 +82,7 @@ class WirePublisher:
 
     def publish(self, events: Iterable[Mapping[str, Any]], ts: float | None = None) -> None:
         self._idle.clear()
-        self._queue.put((time.time() if ts is None else ts, list(events)))
+        self._queue.put(_Batch(time.time() if ts is None else ts, list(events)))
 
     def publish_raw(self, payload: bytes) -> None:
         """Send a payload as it is (garbage tests): it still takes a sequence number."""
@@ -78,13 +90,13 @@ class WirePublisher:
         self._queue.put(payload)
 
     def lose(self, n: int) -> None:
-        with self._lock:
-            self._lose += n
+        """The next ``n`` batches published after this call (in order with publish())."""
+        self._idle.clear()
+        self._queue.put(_Drop(n, forget=False))
 
     def forget(self, n: int) -> None:
-        with self._lock:
-            self._lose += n
-            self._forget += n
+        self._idle.clear()
+        self._queue.put(_Drop(n, forget=True))
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued went out."""
@@ -114,16 +126,18 @@ class WirePublisher:
                 continue
             if item is None:
                 return
+            if isinstance(item, _Drop):  # applies to the batches queued after it
+                self._lose += item.n
+                self._forget += item.n if item.forget else 0
+                continue
             if isinstance(item, bytes):
                 payload = item
             else:
-                ts, events = item
-                payload = encode_batch(self.layout, ts, events, self.rank, enc)
+                payload = encode_batch(self.layout, item.ts, item.events, self.rank, enc)
             seq = self._seq
             self._seq += 1
-            with self._lock:
-                lose, self._lose = self._lose > 0, max(self._lose - 1, 0)
-                forget, self._forget = self._forget > 0, max(self._forget - 1, 0)
+            lose, self._lose = self._lose > 0, max(self._lose - 1, 0)
+            forget, self._forget = self._forget > 0, max(self._forget - 1, 0)
             if not lose:
                 self._pub.send_multipart((self.topic, seq.to_bytes(SEQ_BYTES, "big"), payload))
                 self.sent += 1

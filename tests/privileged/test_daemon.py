@@ -260,6 +260,8 @@ def test_doctor_json_all_canaries_pass() -> None:
         "probe cuda attach",
         "canary transfer",
         "probe transfer attach",
+        "canary kv events",
+        "canary engine metrics",
     ):
         assert canary in names
 

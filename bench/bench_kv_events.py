@@ -1,0 +1,173 @@
+"""KV event subscriber throughput: how many vLLM KV events kvwatch decodes and counts per
+second, with what share of one core, and whether it loses any.
+
+A publisher process sends pre-encoded batches in vLLM 0.33's wire format (multipart
+[topic, seq, payload], msgspec msgpack) as vLLM's engine would, one batch per
+scheduler step: 8 ``BlockStored`` of 4 blocks (64 token ids each) and 16
+``BlockRemoved`` of one block (0.33 emits one per evicted block) — 24 events, 48
+blocks a batch. The subscriber is kvwatch's own ``KVEventHub`` (one thread) in this
+process; CPU is this process's user+system time over the run (the hub is all it does).
+
+Paced runs at increasing batch rates, then one unpaced (as fast as the publisher goes).
+
+    .venv/bin/python bench/bench_kv_events.py --out bench/results/kv_events.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import time
+from pathlib import Path
+
+import zmq
+from kvwatch.daemon.kv_events import KVEventHub, StreamSpec
+from kvwatch.daemon.kv_wire import Layout, encode_batch, removed, stored
+
+STORED_PER_BATCH, BLOCKS_PER_STORE, REMOVED_PER_BATCH = 8, 4, 16
+EVENTS = STORED_PER_BATCH + REMOVED_PER_BATCH
+BLOCKS = STORED_PER_BATCH * BLOCKS_PER_STORE + REMOVED_PER_BATCH
+
+
+def payloads(n: int = 64) -> list[bytes]:
+    out = []
+    h = 1 << 40
+    for i in range(n):
+        evs = []
+        for _ in range(STORED_PER_BATCH):
+            evs.append(stored([h + k for k in range(BLOCKS_PER_STORE)], list(range(64)), parent=h - 1))
+            h += BLOCKS_PER_STORE
+        evs += [removed([h - 1000 - k]) for k in range(REMOVED_PER_BATCH)]
+        out.append(encode_batch(Layout.V0_33, 1.7e9 + i, evs, 0))
+    return out
+
+
+def publisher(port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.Event, mp.Value]) -> None:  # type: ignore[valid-type]
+    ready, go, sent = sync
+    if os.cpu_count() and os.cpu_count() > 1:  # type: ignore[operator]
+        os.sched_setaffinity(0, {1})  # the subscriber has core 0 to itself
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 100_000)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    bodies = payloads()
+    ready.set()
+    go.wait()
+    seq = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        if rate > 0:
+            due = int((now - t0) * rate)
+            if seq >= due:
+                time.sleep(min(0.0005, (seq + 1) / rate - (now - t0)))
+                continue
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), bodies[seq % len(bodies)]))
+        seq += 1
+    sent.value = seq
+    time.sleep(0.5)
+    pub.close(linger=2000)
+    ctx.term()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run(rate: float, seconds: float) -> dict[str, float]:
+    port = free_port()
+    ready, go = mp.Event(), mp.Event()
+    sent = mp.Value("q", 0)
+    proc = mp.get_context("fork").Process(target=publisher, args=(port, rate, seconds, (ready, go, sent)))
+    proc.start()
+    ready.wait(10)
+    hub = KVEventHub()
+    spec = StreamSpec(f"tcp://127.0.0.1:{port}")
+    hub.set_streams([spec])
+    hub.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = hub.stats().get(spec)
+        if st is not None and st.connected:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    c0, t0 = cpu(), time.monotonic()
+    go.set()
+    proc.join()
+    # drain: until nothing new for 0.5 s
+    last, quiet_since = -1, time.monotonic()
+    while time.monotonic() - quiet_since < 0.5:
+        n = hub.stats()[spec].batches
+        if n != last:
+            last, quiet_since = n, time.monotonic()
+        time.sleep(0.05)
+    used = cpu() - c0
+    s = hub.stats()[spec]
+    wall = s.last_message_at - t0  # to the last batch drained
+    hub.close()
+    blocks = sum(m.stored + m.removed for m in s.media.values())
+    return {
+        "rate": rate,
+        "sent": float(sent.value),
+        "received": float(s.batches),
+        "lost": float(sent.value - s.batches),
+        "gaps": float(s.gaps),
+        "wall": wall,
+        "cpu": used,
+        "batches_per_s": s.batches / wall,
+        "events_per_s": s.events / wall,
+        "blocks_per_s": blocks / wall,
+        "blocks_exact": float(blocks == s.batches * BLOCKS),
+    }
+
+
+def main() -> None:
+    os.sched_setaffinity(0, {0})  # the subscriber (this process: hub thread and ZMQ's I/O thread) on one core
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rates", default="2500,5000,10000,20000,0", help="batches/s; 0: unpaced")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows = [run(float(r), args.seconds) for r in args.rates.split(",")]
+    lines = [
+        "# KV event subscriber throughput",
+        "",
+        f"Host: {platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, Python {platform.python_version()}.",
+        f"Batch: {EVENTS} events ({STORED_PER_BATCH} BlockStored x {BLOCKS_PER_STORE} blocks, {REMOVED_PER_BATCH} "
+        f"BlockRemoved x 1), {BLOCKS} blocks, vLLM 0.33 layout; {args.seconds:g} s per run; publisher in another process.",
+        "The subscriber process is pinned to one core (taskset-style affinity), the publisher to another.",
+        "CPU: the subscriber process's user+system seconds over the run's wall time (1.00 = all of its core).",
+        "",
+        "| offered batches/s | received / sent | lost | gaps | batches/s | events/s | blocks/s | CPU (cores) | counts exact |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+    ]
+    for r in rows:
+        offered = f"{r['rate']:.0f}" if r["rate"] else "unpaced"
+        lines.append(
+            f"| {offered} | {r['received']:.0f} / {r['sent']:.0f} | {r['lost']:.0f} | {r['gaps']:.0f} | "
+            f"{r['batches_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['blocks_per_s']:,.0f} | "
+            f"{r['cpu'] / r['wall']:.2f} | {'yes' if r['blocks_exact'] else 'NO'} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
