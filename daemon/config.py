@@ -240,6 +240,7 @@ class EvictionBurstConfig(DetectorCommon):
     factor: Annotated[float, Field(ge=1)] = 5.0
     floor_blocks_per_second: NonNegFloat = 20.0
     floor_tokens_per_second: NonNegFloat = 320.0  # engines that count evicted tokens (SGLang)
+    floor_copy_bytes_per_second: NonNegFloat = 64 * 1024 * 1024  # OS-side: host<->device copies, each way
     hit_drop: Annotated[float, Field(gt=0, le=1)] = 0.30  # prefix-hit ratio points below baseline
     min_queried_tokens: NonNegFloat = 2000.0  # in the window, to judge the hit ratio at all
     usage_pressure: Annotated[float, Field(gt=0, le=1)] = 0.9

@@ -41,6 +41,8 @@ def cuda_series(c: ProcessCuda) -> dict[str, float]:
         "cuda_seg_2m": float(c.seg_2m),
         "cuda_seg_20m": float(c.seg_20m),
         "cuda_max_alloc": float(c.max_alloc),
+        "cuda_copy_h2d_bytes": float(c.copy_bytes("h2d")),
+        "cuda_copy_d2h_bytes": float(c.copy_bytes("d2h")),
     }
 
 

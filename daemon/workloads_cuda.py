@@ -22,6 +22,13 @@ class _Cuda:
         self.rt.cudaFree.argtypes = (ctypes.c_void_p,)
         self.rt.cudaMallocAsync.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p)
         self.rt.cudaFreeAsync.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        self.rt.cudaMemcpyAsync.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        )
         self.drv.cuMemCreate.argtypes = (
             ctypes.POINTER(ctypes.c_uint64),
             ctypes.c_size_t,
@@ -100,6 +107,12 @@ def _step_asyncpool(cu: _Cuda, cache: list[int], i: int) -> None:
         cu.rt.cudaFreeAsync(ptr, None)
 
 
+def _step_offload(cu: _Cuda, cache: list[int], i: int) -> None:
+    """A KV block stored to host memory and another loaded back: one D2H, one H2D copy of 2 MiB."""
+    for kind in (2, 1):
+        cu.rt.cudaMemcpyAsync(None, None, 2 * MIB, kind, None)
+
+
 def _step_cached(cu: _Cuda, cache: list[int], i: int) -> None:
     """Every tensor comes from the cache: no CUDA call at all."""
 
@@ -113,6 +126,7 @@ CUDA_STEPS = {
     "growth": _step_growth,
     "expandable": _step_expandable,
     "asyncpool": _step_asyncpool,
+    "offload": _step_offload,
 }
 
 
@@ -167,6 +181,18 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
             for ptr in ptrs:
                 rt.cudaFree(ctypes.c_void_p(ptr))
             _say(f"done {ok} {first_rc}")
+        elif words[0] == "copy":  # copy KIND N SIZE: N cudaMemcpyAsync of SIZE bytes in direction KIND
+            rt = libs[0]
+            kind, n, size = int(words[1]), int(words[2]), int(words[3])
+            rt.cudaMemcpyAsync.argtypes = (
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            )
+            rcs = [rt.cudaMemcpyAsync(None, None, size, kind, None) for _ in range(n)]
+            _say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
         elif words[0] == "load":
             libs.append(ctypes.CDLL(words[1]))
             _say("loaded")

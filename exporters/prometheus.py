@@ -206,6 +206,16 @@ class SnapshotCollector(Collector):
         attached = GaugeMetricFamily(
             "kvwatch_cuda_probes_attached", "CUDA API symbols probed in the process", labels=labels
         )
+        copy_calls = CounterMetricFamily(
+            "kvwatch_cuda_copy_calls",
+            "host/device copy calls by direction (h2d, d2h, d2d, default) and result",
+            labels=[*labels, "api", "direction", "result"],
+        )
+        copy_bytes = CounterMetricFamily(
+            "kvwatch_cuda_copy_bytes",
+            "bytes copied between host and device (KV offload d2h, reload h2d)",
+            labels=[*labels, "api", "direction"],
+        )
         for p in s.processes:
             if p.cuda is None:
                 continue
@@ -215,7 +225,15 @@ class SnapshotCollector(Collector):
                 outstanding.add_metric([*v, kind], n)
             for (label, code), n in sorted(p.cuda.failures.items()):
                 failures.add_metric([*v, label, str(code)], n)
+            for label, c in sorted(p.cuda.apis.items()):
+                api_label, sep, direction = label.partition(":")
+                if sep:  # copies: one row per direction
+                    copy_calls.add_metric([*v, api_label, direction, "ok"], c.ok)
+                    copy_calls.add_metric([*v, api_label, direction, "error"], c.err)
+                    copy_bytes.add_metric([*v, api_label, direction], c.bytes)
             for api in CUDA_APIS:
+                if api.is_copy:
+                    continue
                 c = p.cuda.apis.get(api.label) or ApiCounters()
                 if api.is_alloc:
                     alloc_calls.add_metric([*v, api.label, "ok"], c.ok)
@@ -240,6 +258,8 @@ class SnapshotCollector(Collector):
             outstanding,
             failures,
             attached,
+            copy_calls,
+            copy_bytes,
         )
 
     def _transfer_families(self, s: Snapshot) -> Iterator[Metric]:

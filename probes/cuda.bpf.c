@@ -7,6 +7,7 @@
  *            cudaFree, cudaFreeAsync, cudaFreeHost, cudaHostUnregister
  *   driver   cuMemAlloc_v2, cuMemAllocAsync, cuMemFree_v2, cuMemFreeAsync,
  *            cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap
+ *   copies   cudaMemcpyAsync, cudaMemcpy (direction argument), cuMemcpy{HtoD,DtoH}{,Async}_v2
  *
  * Success-aware: the entry stores the call's arguments by thread; the return
  * counts it as ok only when the API returned 0, reads the pointer/handle the
@@ -47,6 +48,7 @@
 #define OP_FREE 3        /* free / unregister / release by pointer or handle */
 #define OP_MAP 4         /* cuMemMap: bytes mapped, no ledger */
 #define OP_UNMAP 5       /* cuMemUnmap */
+#define OP_COPY 6        /* host <-> device copy: bytes by direction (cudaMemcpyKind) */
 
 struct inflight_t {
     u64 start_ns;
@@ -177,6 +179,13 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
     struct api_key_t k = {};
     k.tgid = tgid;
     k.api = f.api;
+    if (op == OP_COPY) {
+        /* the direction: fixed by the function (its KIND), else the runtime's argument */
+        u64 dir = kind ? kind : f.a;
+        if (dir > 4)
+            dir = 4;
+        k.api = f.api | ((u32)dir << 8);
+    }
     struct api_stats_t zero = {};
     struct api_stats_t *s = api_stats.lookup_or_try_init(&k, &zero);
     struct proc_cuda_t pzero = {};
@@ -236,13 +245,14 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
             s->unknown += 1;
         }
     } else {
-        s->bytes += f.size;   /* map / unmap: the size argument */
+        s->bytes += f.size;   /* map / unmap / copy: the size argument */
     }
     return 0;
 }
 
 /* One entry and one return function per API, from the loader's table:
- * X(name, api index, hit index, op, kind, pointer argument, size argument). */
+ * X(name, api index, hit index, op, kind (copies: fixed direction, 0 = from the
+ * "pointer" argument), pointer argument, size argument). */
 #define X(NAME, API, HIT, OP, KIND, PTR_ARG, SIZE_ARG)                                   \
     int kvw_enter_##NAME(struct pt_regs *ctx) { return kvw_enter(ctx, API, HIT, PTR_ARG, SIZE_ARG); } \
     int kvw_return_##NAME(struct pt_regs *ctx) { return kvw_return(ctx, OP, KIND); }

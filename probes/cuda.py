@@ -27,8 +27,10 @@ __all__ = ["ProcessGoneDuringAttach"]
 FAMILY = "cuda"
 SOURCE = PROBES_DIR / "cuda.bpf.c"
 
-OP_ALLOC_OUT, OP_REGISTER, OP_FREE, OP_MAP, OP_UNMAP = 1, 2, 3, 4, 5
+OP_ALLOC_OUT, OP_REGISTER, OP_FREE, OP_MAP, OP_UNMAP, OP_COPY = 1, 2, 3, 4, 5, 6
 KINDS = ("device", "host", "vmm")
+# cudaMemcpyKind (the runtime's direction argument; the driver's copy functions have it in their name)
+COPY_DIRECTIONS = ("h2h", "h2d", "d2h", "d2d", "default")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class CudaApi(UprobeApi):
     ptr_arg: int = 0  # out-pointer (alloc) or key (free/register) argument, 1-based; 0 none
     size_arg: int = 0  # size argument, 1-based; 0 none
     ucx_patched: bool = False  # UCX's memory hooks rewrite this driver function's entry
+    copy_dir: int = 0  # copies: the direction (cudaMemcpyKind) when fixed by the function, 0: from ptr_arg
 
     @property
     def beneath_runtime(self) -> bool:
@@ -52,11 +55,19 @@ class CudaApi(UprobeApi):
     def is_free(self) -> bool:
         return self.op == OP_FREE
 
+    @property
+    def is_copy(self) -> bool:
+        return self.op == OP_COPY
+
 
 def _api(  # noqa: PLR0917 - one table row per call, positional on purpose
     symbol: str, label: str, lib: str, op: int, kind: str, ptr: int, size: int, *, ucx: bool = False
 ) -> CudaApi:
     return CudaApi(label, lib, symbol, symbol, op=op, kind=kind, ptr_arg=ptr, size_arg=size, ucx_patched=ucx)
+
+
+def _copy(symbol: str, label: str, lib: str, *, size: int, direction_arg: int = 0, direction: int = 0) -> CudaApi:
+    return CudaApi(label, lib, symbol, symbol, op=OP_COPY, ptr_arg=direction_arg, size_arg=size, copy_dir=direction)
 
 
 # The single table: its order gives the API indices passed to the C code.
@@ -78,6 +89,13 @@ CUDA_APIS: tuple[CudaApi, ...] = (
     _api("cuMemRelease", "cuMemRelease", "cuda", OP_FREE, "vmm", 1, 0),
     _api("cuMemMap", "cuMemMap", "cuda", OP_MAP, "vmm", 0, 2, ucx=True),
     _api("cuMemUnmap", "cuMemUnmap", "cuda", OP_UNMAP, "vmm", 0, 2, ucx=True),
+    # copies between host and device: KV offload (store to host) and reload (back to the GPU)
+    _copy("cudaMemcpyAsync", "cudaMemcpyAsync", "cudart", size=3, direction_arg=4),
+    _copy("cudaMemcpy", "cudaMemcpy", "cudart", size=3, direction_arg=4),
+    _copy("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", "cuda", size=3, direction=1),
+    _copy("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", "cuda", size=3, direction=2),
+    _copy("cuMemcpyHtoD_v2", "cuMemcpyHtoD", "cuda", size=3, direction=1),
+    _copy("cuMemcpyDtoH_v2", "cuMemcpyDtoH", "cuda", size=3, direction=2),
 )
 API_INDEX = {a.label: i for i, a in enumerate(CUDA_APIS)}
 
@@ -127,6 +145,10 @@ class ProcessCuda:
             elif api.is_free:
                 out[api.kind] -= c.bytes
         return out
+
+    def copy_bytes(self, direction: str) -> int:
+        """Bytes copied in one direction (h2d, d2h, ...) by every copy API."""
+        return sum(c.bytes for label, c in self.apis.items() if label.endswith(f":{direction}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +236,8 @@ class CudaProbes(PerProcessUprobes):
         o = self.options
         kind = {k: i for i, k in enumerate(KINDS)}
         table = " ".join(
-            f"X({a.fn},{i},{i},{a.op},{kind[a.kind]},{a.ptr_arg},{a.size_arg})" for i, a in enumerate(CUDA_APIS)
+            f"X({a.fn},{i},{i},{a.op},{a.copy_dir if a.is_copy else kind[a.kind]},{a.ptr_arg},{a.size_arg})"
+            for i, a in enumerate(CUDA_APIS)
         )
         flags = [
             f"-DKVW_NR_HITS={len(CUDA_APIS)}",
@@ -289,9 +312,12 @@ class CudaProbes(PerProcessUprobes):
         prog = self.program
         per: dict[int, dict[str, ApiCounters]] = {}
         for k, values in prog.table("api_stats").items():
-            if k.api >= len(CUDA_APIS):
+            index, direction = k.api & 0xFF, k.api >> 8  # copies: one row per direction
+            if index >= len(CUDA_APIS) or direction >= len(COPY_DIRECTIONS):
                 continue
-            per.setdefault(int(k.tgid), {})[CUDA_APIS[k.api].label] = ApiCounters(**percpu_sum(values, _STAT_FIELDS))
+            api = CUDA_APIS[index]
+            label = f"{api.label}:{COPY_DIRECTIONS[direction]}" if api.is_copy else api.label
+            per.setdefault(int(k.tgid), {})[label] = ApiCounters(**percpu_sum(values, _STAT_FIELDS))
         extra = {int(k.value): v for k, v in prog.table("proc_cuda").items()}
         procs = {}
         for tgid in set(per) | set(extra):

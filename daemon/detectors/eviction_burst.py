@@ -21,6 +21,11 @@ Per process and KV medium, over a trailing window:
   too) or the engine reporting sleep — no alert, baselines held, and the process
   re-learns for ``baseline_min_seconds`` after ``quiet_after_reset_seconds``.
 
+Without any engine data (no stream, no engine counters) the OS-side view stands in: the
+process's host↔device copy bytes (CUDA copy probes), device→host *and* host→device both
+at ≥ max(factor x baseline, ``floor_copy_bytes_per_second``) — KV stored to host and
+loaded back, the churn of evicted hot blocks — fires with cause ``thrash``, medium CPU.
+
 One finding per process (the hottest medium names the alert's ``medium`` label).
 """
 
@@ -46,6 +51,7 @@ class Source:
     young_of: str | None  # ... out of this many
     hits: str | None  # prefix-hit series (hits, queries) for this medium
     queries: str | None
+    also: str | None = None  # a second series that must burst too (the rate is the smaller of the two)
 
 
 def sources(s: SeriesSet) -> list[Source]:
@@ -65,6 +71,10 @@ def sources(s: SeriesSet) -> list[Source]:
         out.append(Source("GPU", "engine_evicted_tokens", "tokens", None, None, *hits_gpu))
     if "CPU" not in media and "lmcache_evicted_keys" in names:
         out.append(Source("CPU", "lmcache_evicted_keys", "keys", None, None, *hits_cpu))
+    if not out and "cuda_copy_d2h_bytes" in names:
+        # no engine data at all: the OS-side view — KV stored to host and loaded back, both
+        # far above their baseline, is the store-then-reload churn of evicted hot blocks
+        out.append(Source("CPU", "cuda_copy_d2h_bytes", "bytes", None, None, None, None, "cuda_copy_h2d_bytes"))
     return out
 
 
@@ -115,6 +125,10 @@ class EvictionBurst:
         w = c.window_seconds
         s = p.series
         out = {"eviction_rate": s.rate(src.removed, w), "evicted": s.delta(src.removed, w)}
+        if src.also is not None:
+            out["d2h_bytes_per_second"], out["h2d_bytes_per_second"] = out["eviction_rate"], s.rate(src.also, w)
+            out["eviction_rate"] = min(out["eviction_rate"], out["h2d_bytes_per_second"])
+            out["evicted"] = min(out["evicted"], s.delta(src.also, w))
         if src.young and src.young_of:
             removed = s.delta(src.young_of, w)
             out["young_fraction"] = s.delta(src.young, w) / removed if removed > 0 else 0.0
@@ -177,7 +191,7 @@ class EvictionBurst:
         firing, changed = st.hysteresis.step(any_hot, all_cool, now)
         if firing and changed:
             st.medium = src.medium
-            st.cause = self._cause(m, m["evicted"] >= c.floor_blocks_per_second)
+            st.cause = "thrash" if src.also else self._cause(m, m["evicted"] >= c.floor_blocks_per_second)
         elif not firing and not was_firing:
             st.medium = src.medium
             st.cause = ""
@@ -203,7 +217,9 @@ class EvictionBurst:
         c = self.config
         ms = self._medium_state(st, src.medium)
         m = self.measure(p, src)
-        floor = c.floor_tokens_per_second if src.unit == "tokens" else c.floor_blocks_per_second
+        floor = {"tokens": c.floor_tokens_per_second, "bytes": c.floor_copy_bytes_per_second}.get(
+            src.unit, c.floor_blocks_per_second
+        )
         limit = threshold(ms.rate.value, c.factor, floor)
         burst = m["eviction_rate"] >= limit and m["eviction_rate"] > 0
         if src.queries is None:

@@ -19,6 +19,12 @@ interval_seconds = 0.5
 rules = [{ engine = "stubengine", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+cuda\b' }]
 [probes]
 cuda_rescan_seconds = 1
+[detectors.eviction_burst]
+warmup_seconds = 0.5
+baseline_min_seconds = 2
+window_seconds = 2
+confirm_windows = 2
+clear_windows = 2
 [detectors.reuse_collapse]
 warmup_seconds = 0.5
 baseline_min_seconds = 2
@@ -122,3 +128,14 @@ def test_cached_stays_silent(kvw: DaemonProcess, stub: Path) -> None:
 
 def test_growth_is_reported_as_growth(kvw: DaemonProcess, stub: Path) -> None:
     scenario(kvw, stub, "growth", 100, "leak", name="CUDAMemoryGrowth")
+
+
+def test_offload_reload_churn_without_engine_data(kvw: DaemonProcess, stub: Path) -> None:
+    """No KV event stream, no engine metrics: 2 MiB stored to host and 2 MiB loaded back 100
+    times a second (cudaMemcpyAsync both ways) is the OS-side sign of an eviction burst."""
+    scenario(kvw, stub, "offload", 100, "thrash", name="KVEvictionBurst")
+    pid = [lab["pid"] for lab, _ in kvw.metrics()["kvwatch_cuda_copy_bytes_total"] if lab["direction"] == "d2h"]
+    assert pid
+    d2h = kvw.value("kvwatch_cuda_copy_bytes_total", direction="d2h", pid=pid[-1])
+    h2d = kvw.value("kvwatch_cuda_copy_bytes_total", direction="h2d", pid=pid[-1])
+    assert d2h == h2d > 0 and d2h % (2 << 20) == 0  # whole 2 MiB copies, as many each way

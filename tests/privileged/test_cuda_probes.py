@@ -234,3 +234,35 @@ def test_unwatched_process_pays_nothing(probes: CudaProbes, stub: Path) -> None:
         assert hits == 0  # pid= filter: the other process never even trapped
         watched.step(f"call {N}", f"done {N} 0")
         assert probes.sample().hits["cudaMalloc"] == N
+
+
+def test_copies_counted_by_direction_once(probes: CudaProbes, stub: Path) -> None:
+    """cudaMemcpyAsync calls the driver's copy beneath it (as the real runtime does): each copy
+    is counted once, at the runtime, by its direction argument, with its byte count."""
+    with Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
+        w.expect("ready")
+        probes.attach(w.pid)
+        w.step(f"copy 2 {N} {3 << 20}", f"done {N} 0")  # device -> host: KV blocks offloaded
+        w.step(f"copy 1 {N + 6} {1 << 20}", f"done {N + 6} 0")  # host -> device: reloaded
+        w.step("copy 3 5 4096", "done 5 0")  # device -> device
+        probes.poll(50)
+        c = probes.sample().processes[w.pid]
+        assert counts(probes, w.pid, "cudaMemcpyAsync:d2h") == (N, 0, N * (3 << 20), 0)
+        assert counts(probes, w.pid, "cudaMemcpyAsync:h2d") == (N + 6, 0, (N + 6) << 20, 0)
+        assert counts(probes, w.pid, "cudaMemcpyAsync:d2d") == (5, 0, 5 * 4096, 0)
+        assert (c.copy_bytes("d2h"), c.copy_bytes("h2d")) == (N * (3 << 20), (N + 6) << 20)
+        # the driver copies beneath were entered (probed) but not counted again
+        assert counts(probes, w.pid, "cuMemcpyDtoHAsync:d2h") == (0, 0, 0, 0)
+        assert c.nested >= 2 * N + 6
+
+
+def test_real_cudart_copies_fail_without_a_gpu(probes: CudaProbes) -> None:
+    with Child("cudacalls", "--lib", str(real_cudart())) as w:
+        w.expect("ready")
+        probes.attach(w.pid)
+        w.send(f"copy 2 {N} 4096")
+        rc = w.reply().split()
+        assert rc[:2] == ["done", "0"] and rc[2] != "0"  # every call failed (no device)
+        probes.poll(50)
+        ok, err, nbytes, _ = counts(probes, w.pid, "cudaMemcpyAsync:d2h")
+        assert (ok, err, nbytes) == (0, N, 0)

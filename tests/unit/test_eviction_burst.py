@@ -198,3 +198,31 @@ def test_floor_keeps_an_idle_engine_quiet() -> None:
         r.seconds(1, removed=0)
     r.seconds(10, removed=10, hit=0.0)  # 10 blocks/s: infinitely above a zero baseline, under the floor
     assert r.onsets == 0
+
+
+def test_os_side_copy_churn_without_engine_data() -> None:
+    """No stream, no engine metrics: KV offloaded and reloaded (CUDA copies both ways) far above
+    baseline is the store-then-reload churn; one direction alone is not."""
+    det = EvictionBurst(CFG)
+    s = SeriesSet()
+    t, d2h, h2d = 0.0, 0.0, 0.0
+    mib = 1 << 20
+    fired: list[Finding] = []
+
+    def run(seconds: int, down: float, up: float) -> None:
+        nonlocal t, d2h, h2d
+        for _ in range(seconds):
+            t += 1
+            d2h += down
+            h2d += up
+            s.add(t, {"cuda_copy_d2h_bytes": d2h, "cuda_copy_h2d_bytes": h2d, "cuda_alloc_calls": 0.0})
+            p = ProcessWindow(Subject("9@1", {"pid": "9"}), t, s)
+            fired.extend(f for f in det.evaluate(NodeView(t, {"9@1": p}, {})) if f.firing)
+
+    run(60, 2 * mib, 2 * mib)  # a steady trickle
+    run(10, 500 * mib, 2 * mib)  # offload only (e.g. a checkpoint): no churn
+    assert not fired
+    run(20, 2 * mib, 2 * mib)
+    run(10, 500 * mib, 400 * mib)  # both ways
+    assert fired and fired[0].cause == "thrash" and fired[0].subject.labels["medium"] == "CPU"
+    assert fired[0].values["h2d_bytes_per_second"] >= 64 * mib  # over the floor, in the window of the onset

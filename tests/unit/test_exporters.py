@@ -119,6 +119,8 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                         "cudaFree": ApiCounters(ok=2980, bytes=2979 * 20 * 2**20, unknown=1),
                         "cuMemCreate": ApiCounters(ok=18, bytes=18 * 2**21),
                         "cuMemMap": ApiCounters(ok=18, bytes=18 * 2**21),
+                        "cudaMemcpyAsync:d2h": ApiCounters(ok=10, bytes=10 * 2**21),
+                        "cudaMemcpyAsync:h2d": ApiCounters(ok=7, err=1, bytes=7 * 2**21),
                     },
                     outstanding={"device": 20 * 2**20, "host": 0, "vmm": 18 * 2**21},
                     failures={("cudaMalloc", 2): 2},
@@ -268,6 +270,9 @@ def test_parsed_values() -> None:
     assert reg.value == 8 * 2**20
     (util,) = fams["kvwatch_transfer_link_utilization_ratio"].samples
     assert abs(util.value - 4.2e9 / 50e9) < 1e-12
+    copied = {s.labels["direction"]: s.value for s in fams["kvwatch_cuda_copy_bytes"].samples}
+    assert copied == {"d2h": 10 * 2**21, "h2d": 7 * 2**21}
+    assert not [s for s in fams["kvwatch_cuda_vmm_map_calls"].samples if "Memcpy" in s.labels["api"]]
     removed = {s.labels["medium"]: s.value for s in fams["kvwatch_kv_blocks_removed"].samples}
     assert removed == {"GPU": 195, "CPU": 2}  # summed over the data-parallel ranks
     stored = {s.labels["medium"]: s.value for s in fams["kvwatch_kv_blocks_stored"].samples}
