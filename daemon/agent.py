@@ -160,6 +160,8 @@ class Agent:
         self.tier_first_seen: dict[int, float] = {}
         self.oom_kills: dict[tuple[str, str, str, str], int] = {}
         self._pending_oom: list[OomEvent] = []
+        # called in the loop's thread with each published snapshot (kvwatch record)
+        self.tick_hooks: list[Callable[[Snapshot], None]] = []
         self._sample: MemorySample | None = None
         self._next_scan = 0.0
         self._tick = 0
@@ -296,6 +298,11 @@ class Agent:
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
+        for hook in list(self.tick_hooks):
+            try:
+                hook(snap)
+            except Exception as err:
+                self.errors.record("tick_hook", "a tick hook failed", err)
         return snap
 
     def _drain_events(self) -> None:

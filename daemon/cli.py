@@ -1,4 +1,4 @@
-"""The ``kvwatch`` command: run, doctor, demo (top and record come with their exporters)."""
+"""The ``kvwatch`` command: run, top, record, doctor, demo."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 from kvwatch.daemon import logs
 from kvwatch.daemon.config import Config, ConfigError, load_config, parse_listen
+from kvwatch.exporters.top import SORT_KEYS
 
 log = structlog.get_logger("kvwatch")
 
@@ -30,6 +31,31 @@ examples:
 overhead: tracepoints cost tens of ns per page event and are counted in the kernel;
 see bench/ and docs/ for measured figures.
 """
+
+
+TOP_EPILOG = """\
+keys: s next sort column, r reverse, / filter, escape clear filter, a alerting only,
+      + / - refresh faster / slower, q quit
+sort columns: pid engine pod gpu alloc allocb free dev host pgfree evict policy stall xfer bw link kv alerts
+reads a running daemon's /api/v1/top when one answers, otherwise starts its own probes (root).
+"""
+
+RECORD_EPILOG = """\
+examples:
+  sudo kvwatch record --duration 30 --output /tmp/kv.json   # then open it in ui.perfetto.dev
+the trace has one track group per process (CUDA allocations, KV transfers, reclaim stalls,
+KV blocks, alerts) and a node track (KV-tier page cache); counters are counts per tick.
+"""
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
 
 
 def kvwatch_version() -> str:
@@ -89,6 +115,32 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--no-oom-canary", action="store_true", help="skip the OOM canary (kills its own child)")
 
+    top = sub.add_parser(
+        "top",
+        help="live table of watched inference processes",
+        epilog=TOP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_flags(top)
+    top.add_argument("--interval", type=_positive, default=1.0, metavar="S", help="refresh every S seconds (1)")
+    top.add_argument("--once", action="store_true", help="print one plain frame after one interval and exit")
+    top.add_argument("--url", help="the daemon to read (default: from the config's daemon.listen)")
+    top.add_argument("--local", action="store_true", help="do not look for a daemon: start kvwatch's own probes")
+    top.add_argument("--sort", choices=SORT_KEYS, default="alloc", help="initial sort column (alloc)")
+    top.add_argument("--filter", default="", help="initial filter: text in any column")
+    top.add_argument("--width", type=int, help="--once: width of the frame (default 240)")
+
+    rec = sub.add_parser(
+        "record",
+        help="record a timeline (Chrome trace-event JSON for Perfetto / chrome://tracing)",
+        epilog=RECORD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_flags(rec)
+    rec.add_argument("--duration", type=_positive, required=True, metavar="S", help="seconds to record")
+    rec.add_argument("--output", "-o", type=Path, required=True, metavar="FILE", help="trace file to write (.json)")
+    rec.add_argument("--max-events", type=int, default=1_000_000, metavar="N", help="bound on events kept (1000000)")
+
     demo = sub.add_parser("demo", help="reproduce each failure mode with the daemon watching")
     _add_config_flags(demo)
     demo.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0")
@@ -109,18 +161,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"kvwatch: {err}", file=sys.stderr)
         return 2
+    commands = {"run": cmd_run, "top": cmd_top, "record": cmd_record, "doctor": cmd_doctor, "demo": cmd_demo}
+    return commands[args.command](config, args)
+
+
+def cmd_record(config: Config, args: argparse.Namespace) -> int:
+    logs.configure(config.daemon.log_format, "warning")
+    from kvwatch.exporters.record import run_record  # noqa: PLC0415 - subcommand on demand
+
+    return run_record(config, args.duration, args.output, args.max_events)
+
+
+def cmd_doctor(config: Config, args: argparse.Namespace) -> int:
     logs.configure(config.daemon.log_format, config.daemon.log_level)
-    if args.command == "run":
-        return cmd_run(config, args)
-    if args.command == "doctor":
-        from kvwatch.daemon.doctor import run_doctor  # noqa: PLC0415 - subcommand on demand
+    from kvwatch.daemon.doctor import run_doctor  # noqa: PLC0415 - subcommand on demand
 
-        return run_doctor(config, as_json=args.json, oom_canary=not args.no_oom_canary)
-    if args.command == "demo":
-        from kvwatch.daemon.demo import run_demo  # noqa: PLC0415 - subcommand on demand
+    return run_doctor(config, as_json=args.json, oom_canary=not args.no_oom_canary)
 
-        return run_demo(config, args)
-    return 2
+
+def cmd_demo(config: Config, args: argparse.Namespace) -> int:
+    logs.configure(config.daemon.log_format, config.daemon.log_level)
+    from kvwatch.daemon.demo import run_demo  # noqa: PLC0415 - subcommand on demand
+
+    return run_demo(config, args)
 
 
 class Daemon:
@@ -179,7 +242,32 @@ class Daemon:
         log.info("stopped: probes detached, alert sinks flushed")
 
 
+def cmd_top(config: Config, args: argparse.Namespace) -> int:
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from kvwatch.exporters.top import TopOptions, run_top  # noqa: PLC0415 - subcommand on demand
+
+    live = not args.once and sys.stdout.isatty()
+    if live:  # the screen belongs to the table: the probes' log lines go to a file
+        path = Path(tempfile.gettempdir()) / f"kvwatch-top-{os.getuid()}.log"
+        logs.configure("json", "warning", stream=path.open("a"))
+    else:
+        logs.configure(config.daemon.log_format, "warning")
+    opts = TopOptions(
+        interval=args.interval,
+        once=args.once,
+        url=args.url,
+        local=args.local,
+        sort=args.sort,
+        filter=args.filter,
+        width=args.width,
+    )
+    return run_top(config, opts)
+
+
 def cmd_run(config: Config, args: argparse.Namespace) -> int:
+    logs.configure(config.daemon.log_format, config.daemon.log_level)
     if args.ebpf:
         from kvwatch.daemon.agent import memory_options  # noqa: PLC0415
         from kvwatch.probes.memory import MemoryProbes  # noqa: PLC0415

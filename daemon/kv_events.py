@@ -177,6 +177,7 @@ class KVEventHub:
         self._by_socket: dict[zmq.Socket[bytes], _Stream] = {}
         self._poller = zmq.Poller()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set_streams / close: the idle hub looks again
         self._thread: threading.Thread | None = None
         self.failures: dict[str, int] = {}  # stream set-up failures by reason
 
@@ -191,6 +192,7 @@ class KVEventHub:
         with self._lock:
             if wanted != self._wanted:
                 self._wanted, self._dirty = wanted, True
+                self._wake.set()
 
     def stats(self) -> dict[StreamSpec, StreamStats]:
         with self._lock:
@@ -198,6 +200,7 @@ class KVEventHub:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
@@ -218,6 +221,14 @@ class KVEventHub:
     def run_once(self, timeout_ms: int) -> None:
         if self._dirty:
             self._apply()
+        if not self._by_socket:
+            # pyzmq returns at once from a poll with nothing registered: without this wait
+            # the hub thread spun, holding the GIL, on every node without an engine stream
+            # (and it sleeps ten times longer than a poll would: every timer wakeup costs CPU,
+            # ~0.9 ms each on the development VM; set_streams wakes it at once)
+            self._wake.wait(10 * timeout_ms / 1000)
+            self._wake.clear()
+            return
         ready = dict(self._poller.poll(timeout_ms))
         now = self.clock()
         for sock in ready:

@@ -26,7 +26,7 @@ def oom_event(
     ev: OomKill, tracker: ProcessTracker, procfs: ProcFS, *, include_siblings: bool, now: float
 ) -> OomEvent | None:
     """The event for a kill that concerns a watched process, or None."""
-    victim = tracker.get(ev.victim_pid)
+    victim = tracker.get_recent(ev.victim_pid)
     sibling = None
     if victim is None and include_siblings:
         sibling = cgroup_sibling(ev.victim_pid, tracker, procfs)

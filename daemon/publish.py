@@ -27,7 +27,17 @@ PROCESS_RATES = (
     "memcg_reclaim_seconds",
     "cuda_alloc_calls",
     "cuda_free_calls",
+    "cuda_alloc_bytes",
+    "cuda_freed_bytes",
+    "xfer_bytes",
 )
+KV_REMOVED_PREFIX = "kv_removed_blocks:"
+
+
+def _process_rates(t: Tracked) -> dict[str, float]:
+    """The fixed rates, plus KV blocks removed per medium (``kv_removed_blocks:GPU``)."""
+    names = [*PROCESS_RATES, *(n for n in t.series.series if n.startswith(KV_REMOVED_PREFIX))]
+    return t.series.rates(names, RATE_WINDOW)
 
 
 def process_labels(t: Tracked) -> dict[str, str]:
@@ -134,7 +144,7 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
             source=t.proc.source,
             alive=t.exited_at is None,
             totals=dict(t.totals),
-            rates=t.series.rates(PROCESS_RATES, RATE_WINDOW),
+            rates=_process_rates(t),
             gpu_used_bytes=gpu.get(t.pid),
             cuda=_cuda_view(agent, t),
             transfers=_transfer_view(agent, t),

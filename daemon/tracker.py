@@ -21,6 +21,7 @@ from kvwatch.daemon.series import SeriesSet
 log = structlog.get_logger("kvwatch.tracker")
 
 EXIT_GRACE_SECONDS = 2.0
+RECENT_SECONDS = 30.0
 
 
 class WatchSink(Protocol):
@@ -82,6 +83,8 @@ class ProcessTracker:
         self.stats = TrackerStats()
         self._hints: dict[int, None] = {}  # ordered set of PIDs to examine
         self.removed: list[Tracked] = []  # removed since the last take_removed()
+        # recently removed processes, for records that arrive after the exit was handled
+        self._gone: dict[int, tuple[Tracked, float]] = {}
 
     # --- membership --------------------------------------------------------------------
     def tracked(self) -> list[Tracked]:
@@ -89,6 +92,17 @@ class ProcessTracker:
 
     def get(self, pid: int) -> Tracked | None:
         return self.by_pid.get(pid)
+
+    def get_recent(self, pid: int) -> Tracked | None:
+        """A watched process, or one removed within the last ``RECENT_SECONDS`` (an OOM
+        record can reach us after procfs already showed the victim gone)."""
+        t = self.by_pid.get(pid)
+        if t is not None:
+            return t
+        gone = self._gone.get(pid)
+        if gone is not None and self.clock() - gone[1] <= RECENT_SECONDS:
+            return gone[0]
+        return None
 
     def add(self, proc: DiscoveredProcess, root_tgid: int | None = None) -> Tracked | None:
         pid = proc.pid
@@ -128,6 +142,11 @@ class ProcessTracker:
             if self.kernel is not None and t.in_kernel:
                 self.kernel.unwatch(t.pid)
         self.removed.append(t)
+        now = self.clock()
+        self._gone[t.pid] = (t, now)
+        for pid, (_, at) in list(self._gone.items()):
+            if now - at > RECENT_SECONDS:
+                del self._gone[pid]
         log.info("process no longer watched", pid=t.pid, reason=reason, engine=t.proc.labels.engine)
 
     def take_removed(self) -> list[Tracked]:

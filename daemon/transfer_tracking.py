@@ -85,9 +85,17 @@ class TransferTracker(FamilyTracker):
         if pid not in self.attached:
             return None
         c = self._counters.get(pid)
-        out = {"nixl_bytes": 0.0, "nixl_duration_seconds": 0.0, "nixl_completed": 0.0, "nixl_posts": 0.0}
+        out = {
+            "nixl_bytes": 0.0,
+            "nixl_duration_seconds": 0.0,
+            "nixl_completed": 0.0,
+            "nixl_posts": 0.0,
+            "xfer_bytes": 0.0,
+        }
         if c is None:
             return out
+        # every byte moved, any library (UCX puts beneath a NIXL post are the post's bytes)
+        out["xfer_bytes"] = float(sum(x.bytes for x in c.xfers.values()))
         out["nixl_posts"] = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
         now_ns = time.monotonic_ns()
         for p in c.peers:

@@ -1,6 +1,6 @@
-"""HTTP endpoints: /metrics, /healthz, /readyz. Loopback by default; TLS when configured.
+"""HTTP endpoints: /metrics, /healthz, /readyz, /api/v1/top (for `kvwatch top`). Loopback by default.
 
-Threaded: a slow scraper never blocks another or the probe loop (which only
+TLS when configured. Threaded: a slow scraper never blocks another or the probe loop (which only
 publishes snapshots). Request logging goes through structlog, never stderr.
 """
 
@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import structlog
 from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.exporters.top_model import API_PATH, build_frame, encode
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
@@ -65,8 +66,10 @@ class _Handler(BaseHTTPRequestHandler):
             s = self.ctx.get_snapshot()
             body = json.dumps({"ready": s.ready, "reasons": list(s.not_ready_reasons)}).encode() + b"\n"
             self._send(200 if s.ready else 503, body, "application/json")
+        elif path == API_PATH:
+            self._send(200, encode(build_frame(self.ctx.get_snapshot())), "application/json")
         elif path == "/":
-            self._send(200, b"kvwatch: /metrics /healthz /readyz\n")
+            self._send(200, f"kvwatch: /metrics /healthz /readyz {API_PATH}\n".encode())
         else:
             self._send(404, b"not found\n")
 

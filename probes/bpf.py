@@ -81,6 +81,7 @@ class Program:
         except Exception as err:  # bcc raises bare Exception on compile/load failure
             raise ProbeCompileError(f"{source.name}: {err}") from err
         self._tracepoints: list[str] = []
+        self._tables: dict[str, Table] = {}
         self._uprobes: list[tuple[str, str, int, bool]] = []
         self._closed = False
 
@@ -140,7 +141,12 @@ class Program:
 
     # --- maps ----------------------------------------------------------------------
     def table(self, name: str) -> Table:
-        return self._bpf.get_table(name.encode())
+        """The map called ``name``; bcc rebuilds key/leaf types on every get_table (half a
+        millisecond), so handles are kept for the program's life."""
+        t = self._tables.get(name)
+        if t is None:
+            t = self._tables[name] = self._bpf.get_table(name.encode())
+        return t
 
     def open_ring_buffer(self, name: str, callback: Callable[[bytes], None]) -> None:
         def _cb(_ctx: Any, data: Any, size: int) -> int:
@@ -161,6 +167,7 @@ class Program:
         if self._closed:
             return
         self._closed = True
+        self._tables.clear()
         self._bpf.cleanup()
 
 

@@ -195,14 +195,14 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
         return 0;
     }
     if (rc != 0) {
-        s->err += 1;
+        __sync_fetch_and_add(&s->err, 1);
         if (op == OP_ALLOC_OUT || op == OP_REGISTER) {
             pc->last_fail_ns = now;
             kvw_event(1, tgid, f.api, rc, f.size);
         }
         return 0;
     }
-    s->ok += 1;
+    __sync_fetch_and_add(&s->ok, 1);
 
     struct ledger_key_t lk = {};
     lk.tgid = tgid;
@@ -213,11 +213,11 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
             ptr = 0;
             bpf_probe_read_user(&ptr, sizeof(ptr), (void *)f.a);
         }
-        s->bytes += f.size;
+        __sync_fetch_and_add(&s->bytes, f.size);
         if (f.size == 2 * MIB)
-            pc->seg_2m += 1;
+            __sync_fetch_and_add(&pc->seg_2m, 1);
         else if (f.size == 20 * MIB)
-            pc->seg_20m += 1;
+            __sync_fetch_and_add(&pc->seg_20m, 1);
         if (f.size > pc->max_alloc)
             pc->max_alloc = f.size;
         if (f.size >= LARGE_ALLOC_BYTES)
@@ -230,22 +230,22 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
             kvw_lost(KVW_LOST_LEDGER_FULL);
     } else if (op == OP_FREE) {
         if (now - pc->last_fail_ns < RETRY_WINDOW_NS)
-            pc->frees_after_failure += 1;
+            __sync_fetch_and_add(&pc->frees_after_failure, 1);
         if (now - pc->last_free_ns < FREE_CLUSTER_NS)
-            pc->clustered_frees += 1;
+            __sync_fetch_and_add(&pc->clustered_frees, 1);
         pc->last_free_ns = now;
         lk.ptr = f.a;
         if (!f.a)
             return 0;   /* cudaFree(NULL): a no-op (or context creation), nothing freed */
         struct ledger_val_t *lv = ledger.lookup(&lk);
         if (lv) {
-            s->bytes += lv->size;
+            __sync_fetch_and_add(&s->bytes, lv->size);
             ledger.delete(&lk);
         } else {
-            s->unknown += 1;
+            __sync_fetch_and_add(&s->unknown, 1);
         }
     } else {
-        s->bytes += f.size;   /* map / unmap / copy: the size argument */
+        __sync_fetch_and_add(&s->bytes, f.size);   /* map / unmap / copy: the size argument */
     }
     return 0;
 }

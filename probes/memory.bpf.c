@@ -5,7 +5,7 @@
  *   kmem:mm_page_free                       pages released per watched TGID (1 << order per hit).
  *                                           mm_page_free_batched fires for the same pages: not attached.
  *   filemap:mm_filemap_delete_from_page_cache  KV-tier file pages leaving the page cache, by cause:
- *                                           reclaim (kswapd, or the task is inside a direct/memcg reclaim
+ *                                           reclaim (kswapd/kdamond, or the task is inside a direct/memcg reclaim
  *                                           window) or policy (unlink, truncate, fadvise, drop_caches).
  *   filemap:mm_filemap_add_to_page_cache    KV-tier file pages coming back; a refault when the same
  *                                           (dev, ino, 16-page granule) was evicted by reclaim before.
@@ -165,18 +165,26 @@ int kvw_page_free(struct tracepoint__kmem__mm_page_free *args)
     u32 tgid = kvw_tgid();
     struct proc_stats_t *s = proc_stats.lookup(&tgid);
     if (s)
-        s->page_free_pages += 1ULL << args->order;
+        __sync_fetch_and_add(&s->page_free_pages, 1ULL << args->order);
     return 0;
 }
 #endif
 
 /* ---- page cache of KV-tier files ---------------------------------------------------------- */
 
-static __always_inline int kvw_is_kswapd(void) {
+/* Kernel threads that reclaim outside any vmscan reclaim window: kswapd, and kdamond,
+ * whose DAMOS "pageout" action (proactive reclaim, on by default on some cloud kernels,
+ * including the 6.18 VM kvwatch is developed on) evicts through reclaim_pages() ->
+ * shrink_folio_list() with no mm_vmscan_*_reclaim_begin around it. */
+static __always_inline int kvw_is_reclaimer_thread(void) {
     char comm[8];
     bpf_get_current_comm(&comm, sizeof(comm));
-    return comm[0] == 'k' && comm[1] == 's' && comm[2] == 'w' && comm[3] == 'a' &&
-           comm[4] == 'p' && comm[5] == 'd';
+    if (comm[0] != 'k')
+        return 0;
+    if (comm[1] == 's' && comm[2] == 'w' && comm[3] == 'a' && comm[4] == 'p' && comm[5] == 'd')
+        return 1;
+    return comm[1] == 'd' && comm[2] == 'a' && comm[3] == 'm' && comm[4] == 'o' && comm[5] == 'n' &&
+           comm[6] == 'd';
 }
 
 #ifdef KVW_HOOK_PAGECACHE_DELETE
@@ -200,8 +208,8 @@ int kvw_pagecache_delete(struct tracepoint__filemap__mm_filemap_delete_from_page
     ek.dev = args->s_dev;
     u64 first = args->index >> GRANULE_SHIFT;
     u64 last = (args->index + pages - 1) >> GRANULE_SHIFT;
-    if (kvw_is_kswapd() || reclaim_window.lookup(&tid)) {
-        ts->reclaim_pages += pages;
+    if (kvw_is_reclaimer_thread() || reclaim_window.lookup(&tid)) {
+        __sync_fetch_and_add(&ts->reclaim_pages, pages);
         u8 one = 1;
         for (int i = 0; i < MAX_GRANULES_PER_FOLIO; i++) {
             if (first + i > last)
@@ -210,7 +218,7 @@ int kvw_pagecache_delete(struct tracepoint__filemap__mm_filemap_delete_from_page
             evicted.update(&ek, &one);
         }
     } else {
-        ts->policy_pages += pages;
+        __sync_fetch_and_add(&ts->policy_pages, pages);
         /* deleted or truncated on purpose: what comes back later is new data, not a refault */
         for (int i = 0; i < MAX_GRANULES_PER_FOLIO; i++) {
             if (first + i > last)
@@ -246,7 +254,7 @@ int kvw_pagecache_add(struct tracepoint__filemap__mm_filemap_add_to_page_cache *
     if (!ts)
         return 0;
     u64 pages = 1ULL << args->order;
-    ts->added_pages += pages;
+    __sync_fetch_and_add(&ts->added_pages, pages);
     struct tier_reader_t rk = {};
     rk.tgid = kvw_tgid();
     rk.tier = tier;
@@ -261,7 +269,7 @@ int kvw_pagecache_add(struct tracepoint__filemap__mm_filemap_add_to_page_cache *
     ek.granule = args->index >> GRANULE_SHIFT;
     ek.dev = args->s_dev;
     if (evicted.lookup(&ek))
-        ts->refault_pages += pages;
+        __sync_fetch_and_add(&ts->refault_pages, pages);
     return 0;
 }
 #endif
@@ -291,11 +299,11 @@ static __always_inline int kvw_reclaim_end(void) {
     if (!s)
         return 0;
     if (kind == RECLAIM_MEMCG) {
-        s->memcg_reclaim_ns += delta;
-        s->memcg_reclaim_count += 1;
+        __sync_fetch_and_add(&s->memcg_reclaim_ns, delta);
+        __sync_fetch_and_add(&s->memcg_reclaim_count, 1);
     } else {
-        s->direct_reclaim_ns += delta;
-        s->direct_reclaim_count += 1;
+        __sync_fetch_and_add(&s->direct_reclaim_ns, delta);
+        __sync_fetch_and_add(&s->direct_reclaim_count, 1);
     }
     return 0;
 }

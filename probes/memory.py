@@ -335,7 +335,16 @@ class MemoryProbes:
             self._batch.malformed += 1
 
     def poll(self, timeout_ms: int) -> None:
-        self.program.poll(timeout_ms)
+        """Wait for records, then drain what is there even if no wakeup came.
+
+        The kernel skips the wakeup for a record committed while the consumer looked
+        busy (adaptive notification), and libbpf's poll only reads rings that woke it:
+        such a record waited for the next wakeup — seconds on a quiet node, long enough
+        for an OOM kill to arrive after the victim's exit. The extra consume bounds the
+        delay by ``timeout_ms``."""
+        prog = self.program
+        prog.poll(timeout_ms)
+        prog.consume()
 
     def pending(self) -> list[MemoryEvent]:
         """Events received and not yet taken (read-only view)."""

@@ -190,18 +190,18 @@ static __always_inline void kvw_complete(u32 tgid, struct post_t *p, u64 now, s3
     if (!s)
         return;
     if (status < 0) {
-        s->errors += 1;
+        __sync_fetch_and_add(&s->errors, 1);
         return;
     }
     u64 d = now - p->start_ns;
-    s->completed += 1;
-    s->bytes += p->bytes;
-    s->duration_ns += d;
+    __sync_fetch_and_add(&s->completed, 1);
+    __sync_fetch_and_add(&s->bytes, p->bytes);
+    __sync_fetch_and_add(&s->duration_ns, d);
     u32 b = bpf_log2l(d);
     b = b > FIRST_BUCKET_LOG2 ? b - FIRST_BUCKET_LOG2 : 0;
     if (b >= NBUCKETS)
         b = NBUCKETS - 1;
-    s->hist[b] += 1;
+    __sync_fetch_and_add(&s->hist[b], 1);
     struct peer_key_t pk = {};
     pk.tgid = tgid;
     pk.lib = LIB_NIXL;
@@ -260,7 +260,7 @@ static __always_inline int kvw_nixl_post_return(struct pt_regs *ctx) {
     u64 now = bpf_ktime_get_ns();
     struct xfer_stats_t *s = kvw_stats(tgid, LIB_NIXL, p.op);
     if (s)
-        s->calls += 1;
+        __sync_fetch_and_add(&s->calls, 1);
     if (rc == 0) {                 /* NIXL_SUCCESS: done within the post */
         kvw_complete(tgid, &p, now, 0);
     } else if (rc == 1) {          /* NIXL_IN_PROG: completion comes with getXferStatus */
@@ -275,7 +275,7 @@ static __always_inline int kvw_nixl_post_return(struct pt_regs *ctx) {
         if (pending.update(&k, &p))
             kvw_lost(KVW_LOST_PENDING_FULL);
     } else if (s) {
-        s->errors += 1;
+        __sync_fetch_and_add(&s->errors, 1);
     }
     return 0;
 }
@@ -373,10 +373,10 @@ static __always_inline int kvw_call_return(struct pt_regs *ctx, u32 role, u32 op
         if (!s)
             return 0;
         if (failed) {
-            s->errors += 1;
+            __sync_fetch_and_add(&s->errors, 1);
         } else {
-            s->calls += 1;
-            s->bytes += c.size;
+            __sync_fetch_and_add(&s->calls, 1);
+            __sync_fetch_and_add(&s->bytes, c.size);
         }
         return 0;
     }
@@ -385,10 +385,10 @@ static __always_inline int kvw_call_return(struct pt_regs *ctx, u32 role, u32 op
         if (!s)
             return 0;
         if ((s32)rc != 0) {
-            s->errors += 1;
+            __sync_fetch_and_add(&s->errors, 1);
         } else {
-            s->calls += 1;
-            s->bytes += c.size * kvw_nccl_dtype_size(c.extra);
+            __sync_fetch_and_add(&s->calls, 1);
+            __sync_fetch_and_add(&s->bytes, c.size * kvw_nccl_dtype_size(c.extra));
         }
         return 0;
     }
@@ -399,11 +399,11 @@ static __always_inline int kvw_call_return(struct pt_regs *ctx, u32 role, u32 op
     mk.tgid = tgid;
     if (role == R_VERBS_REG) {
         if (rc == 0) {                       /* NULL: registration failed */
-            px->reg_errors += 1;
+            __sync_fetch_and_add(&px->reg_errors, 1);
             return 0;
         }
-        px->reg_calls += 1;
-        px->reg_bytes += c.size;
+        __sync_fetch_and_add(&px->reg_calls, 1);
+        __sync_fetch_and_add(&px->reg_bytes, c.size);
         mk.mr = rc;
         u64 len = c.size;
         if (mr_ledger.update(&mk, &len))
@@ -411,11 +411,11 @@ static __always_inline int kvw_call_return(struct pt_regs *ctx, u32 role, u32 op
     } else if (role == R_VERBS_DEREG) {
         if ((s32)rc != 0)
             return 0;
-        px->dereg_calls += 1;
+        __sync_fetch_and_add(&px->dereg_calls, 1);
         mk.mr = c.a;
         u64 *len = mr_ledger.lookup(&mk);
         if (len) {
-            px->dereg_bytes += *len;
+            __sync_fetch_and_add(&px->dereg_bytes, *len);
             mr_ledger.delete(&mk);
         }
     }

@@ -166,6 +166,31 @@ def test_subscriber_counts_vllm_frames(hub: KVEventHub, path: Path) -> None:
         ctx.term()
 
 
+def test_idle_hub_sleeps_then_takes_new_streams() -> None:
+    """With no stream (most nodes most of the time) the hub thread must block, not spin:
+    a poll with nothing registered returns at once, and a spinning thread holding the GIL
+    slowed every daemon tick tenfold."""
+    h = KVEventHub(thrash_seconds=5.0, replay_timeout_seconds=1.0)
+    calls = 0
+    run_once = h.run_once
+
+    def counting(timeout_ms: int) -> None:
+        nonlocal calls
+        calls += 1
+        run_once(timeout_ms)
+
+    h.run_once = counting  # type: ignore[method-assign]
+    h.start()
+    try:
+        time.sleep(1.0)
+        assert calls <= 3, calls  # one-second waits when idle
+        spec = StreamSpec(f"tcp://127.0.0.1:{free_port()}")
+        h.set_streams([spec])
+        wait_until(lambda: spec in h.stats(), 5, "stream set up", interval=0.01)
+    finally:
+        h.close()
+
+
 def stored_events(n: int, first: int = 0) -> list[list[dict[str, Any]]]:
     return [[w.stored([first + i], list(range(16)))] for i in range(n)]
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from kvwatch.daemon.config import DiscoveryConfig, KVTiersConfig
 from kvwatch.daemon.discovery import Discovery, Labels
 from kvwatch.daemon.kvtiers import KVTierRegistry, hicache_dirs, lmcache_dirs, specs_from_process
+from kvwatch.daemon.oom_events import oom_event
 from kvwatch.daemon.procfs import ProcFS
-from kvwatch.daemon.tracker import EXIT_GRACE_SECONDS, ProcessTracker
+from kvwatch.daemon.tracker import EXIT_GRACE_SECONDS, RECENT_SECONDS, ProcessTracker
 from kvwatch.probes.memory import decode_event
 from kvwatch.probes.records import OomKill, ProcessExec, ProcessForked
 
@@ -87,6 +88,22 @@ def test_exit_grace_then_removed(tmp_path: Path) -> None:
     tr.expire()
     assert tr.get(10) is None and 10 not in kernel.map
     assert [t.pid for t in tr.take_removed()] == [10]
+
+
+def test_oom_record_after_the_exit_was_handled_still_counts(tmp_path: Path) -> None:
+    """procfs can show the victim gone (and the grace run out) before its OOM record is read."""
+    tr, kernel, clock, root = setup(tmp_path, [ENGINE])
+    tr.rescan()
+    tr.on_exit(10)
+    clock.t += EXIT_GRACE_SECONDS
+    tr.expire()
+    assert tr.get(10) is None
+    kill = OomKill(10, "python3", True, 0, 4096, 0, 0, 0, 1)
+    ev = oom_event(kill, tr, tr.procfs, include_siblings=False, now=clock.t)
+    assert ev is not None and ev.subject.labels["pid"] == "10" and ev.subject.labels["engine"]
+    clock.t += RECENT_SECONDS + 1
+    assert oom_event(kill, tr, tr.procfs, include_siblings=False, now=clock.t) is None
+    assert oom_event(OomKill(11, "x", True, 0, 0, 0, 0, 0, 2), tr, tr.procfs, include_siblings=False, now=0) is None
 
 
 def test_pid_reuse_is_a_new_identity(tmp_path: Path) -> None:

@@ -1,0 +1,388 @@
+"""``kvwatch record``: a timeline in the Chrome trace-event JSON format (Perfetto, chrome://tracing).
+
+One process track per watched process (and one for the node), with lanes:
+
+* ``CUDA allocations`` — counters: segment allocations and frees per tick, MiB allocated;
+* ``KV transfers`` — one duration slice per completed transfer (NIXL post → done), bytes in args;
+* ``page cache`` — (node track, per KV tier) pages evicted by reclaim, deleted (policy), refaulted;
+* ``reclaim stalls`` — milliseconds stalled in direct and memcg reclaim per tick, pages freed;
+* ``KV blocks`` — blocks stored and removed per medium (engine KV event streams);
+* ``alerts`` — one slice per alert, onset to clear (or to the end of the recording).
+
+Counters are counts per tick (the agent's tick, in ``otherData.tick_seconds``), placed at
+the start of the tick they describe, so a counter track summed over the trace is the
+total for the recording. Memory is bounded: past ``max_events`` new events are dropped,
+counted per kind, and the trace says so (an instant event on the node track and
+``otherData.dropped``), as does the command.
+
+Runs its own probes (root): timestamps of transfer slices come straight from the kernel's
+monotonic clock, which the daemon's HTTP view cannot carry.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvwatch.daemon.cuda_tracking import SEGMENT_ALLOCS, SEGMENT_FREES
+from kvwatch.daemon.snapshot import ProcessView, Snapshot
+from kvwatch.probes.transfer import TransferDone
+
+if TYPE_CHECKING:
+    from kvwatch.daemon.agent import Agent
+    from kvwatch.daemon.config import Config
+
+NODE_PID = 0
+MIB = 1024 * 1024
+
+
+class Lane:
+    CUDA = 1
+    TRANSFERS = 2
+    PAGE_CACHE = 3
+    RECLAIM = 4
+    KV_BLOCKS = 5
+    ALERTS = 6
+
+
+LANE_NAMES = {
+    Lane.CUDA: "CUDA allocations",
+    Lane.TRANSFERS: "KV transfers",
+    Lane.PAGE_CACHE: "page cache",
+    Lane.RECLAIM: "reclaim stalls",
+    Lane.KV_BLOCKS: "KV blocks",
+    Lane.ALERTS: "alerts",
+}
+
+
+def _cuda_totals(p: ProcessView) -> dict[str, float]:
+    if p.cuda is None:
+        return {}
+    apis = p.cuda.apis
+    return {
+        "allocs": float(sum(apis[a].ok for a in SEGMENT_ALLOCS if a in apis)),
+        "frees": float(sum(apis[a].ok for a in SEGMENT_FREES if a in apis)),
+        "alloc_mib": sum(apis[a].bytes for a in SEGMENT_ALLOCS if a in apis) / MIB,
+        "failed": float(sum(apis[a].err for a in SEGMENT_ALLOCS if a in apis)),
+    }
+
+
+def _kv_totals(p: ProcessView) -> dict[str, float]:
+    if p.engine is None:
+        return {}
+    out: dict[str, float] = {}
+    for medium, (stored, removed, _young) in p.engine.media.items():
+        out[f"stored {medium}"] = float(stored)
+        out[f"removed {medium}"] = float(removed)
+    return out
+
+
+def _reclaim_totals(p: ProcessView) -> dict[str, float]:
+    t = p.totals
+    return {
+        "direct ms": 1000.0 * t.get("direct_reclaim_seconds", 0.0),
+        "memcg ms": 1000.0 * t.get("memcg_reclaim_seconds", 0.0),
+        "pages freed": t.get("page_free_pages", 0.0),
+    }
+
+
+@dataclass
+class _Alert:
+    name: str
+    pid: int
+    start_us: float
+    args: dict[str, Any]
+
+
+@dataclass
+class TraceRecorder:
+    """Turns snapshots and transfer completions into trace events, within a bound."""
+
+    t0_ns: int  # CLOCK_MONOTONIC at the start (the kernel's bpf_ktime_get_ns clock)
+    t0_wall: float
+    max_events: int = 1_000_000
+    host: str = field(default_factory=socket.gethostname)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # events kept, by kind
+    _named: set[int] = field(default_factory=set)
+    _last: dict[tuple[int, str], tuple[float, dict[str, float]]] = field(default_factory=dict)
+    _alerts: dict[tuple[str, str], _Alert] = field(default_factory=dict)
+    _lost0: dict[str, int] | None = None
+    lost: dict[str, int] = field(default_factory=dict)
+    ended_at: float | None = None  # monotonic seconds of the last sample
+
+    def us(self, monotonic_s: float) -> float:
+        return max(0.0, (monotonic_s * 1e9 - self.t0_ns) / 1000.0)
+
+    def _add(self, kind: str, ev: dict[str, Any], *, meta: bool = False) -> bool:
+        if not meta and len(self.events) >= self.max_events:
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            return False
+        self.events.append(ev)
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        return True
+
+    def _name_process(self, pid: int, name: str) -> None:
+        if pid in self._named:
+            return
+        self._named.add(pid)
+        self._add(
+            "metadata", {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}, meta=True
+        )
+        self._add(
+            "metadata",
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+            meta=True,
+        )
+        for tid, lane in LANE_NAMES.items():
+            self._add(
+                "metadata",
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}},
+                meta=True,
+            )
+            self._add(
+                "metadata",
+                {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}},
+                meta=True,
+            )
+
+    def _counter(self, kind: str, *, pid: int, tid: int, name: str, now_us: float, totals: Mapping[str, float]) -> None:
+        """Emit what each total grew by since the last sample, at the last sample's time."""
+        key = (pid, name)
+        prev = self._last.get(key)
+        self._last[key] = (now_us, dict(totals))
+        if prev is None:
+            return  # the first sample is the baseline (counts before the recording are not its)
+        at, before = prev
+        args = {k: round(v - before.get(k, 0.0), 3) for k, v in totals.items()}
+        self._add(kind, {"ph": "C", "name": name, "pid": pid, "tid": tid, "ts": at, "args": args})
+
+    # --- inputs -----------------------------------------------------------------------------
+    def on_snapshot(self, snap: Snapshot) -> None:
+        now_us = self.us(snap.monotonic)
+        self._name_process(NODE_PID, f"node {self.host}: KV tiers, node alerts")
+        for p in snap.processes:
+            lab = p.labels
+            who = " ".join(x for x in (lab.get("engine"), lab.get("role"), lab.get("component")) if x)
+            where = lab.get("pod") or lab.get("container") or ""
+            self._name_process(p.pid, f"{who} pid {p.pid}" + (f" ({where})" if where else ""))
+            if not p.alive:
+                continue
+            cuda = _cuda_totals(p)
+            if cuda:
+                self._counter("cuda", pid=p.pid, tid=Lane.CUDA, name="CUDA segments", now_us=now_us, totals=cuda)
+            self._counter(
+                "reclaim", pid=p.pid, tid=Lane.RECLAIM, name="reclaim", now_us=now_us, totals=_reclaim_totals(p)
+            )
+            kv = _kv_totals(p)
+            if kv:
+                self._counter("kv_blocks", pid=p.pid, tid=Lane.KV_BLOCKS, name="KV blocks", now_us=now_us, totals=kv)
+        for tier in snap.tiers:
+            t = tier.totals
+            self._counter(
+                "page_cache",
+                pid=NODE_PID,
+                tid=Lane.PAGE_CACHE,
+                name=f"KV tier {tier.name} pages",
+                now_us=now_us,
+                totals={
+                    "evicted (reclaim)": t.get("reclaim_pages", 0.0),
+                    "deleted (policy)": t.get("policy_pages", 0.0),
+                    "refaulted": t.get("refault_pages", 0.0),
+                },
+            )
+        self._track_alerts(snap, now_us)
+        lost = {k: int(v) for k, v in snap.lost.items()}
+        if self._lost0 is None:
+            self._lost0 = lost
+        self.lost = {k: v - self._lost0.get(k, 0) for k, v in lost.items() if v - self._lost0.get(k, 0)}
+
+    def _track_alerts(self, snap: Snapshot, now_us: float) -> None:
+        active = set()
+        for a in snap.alerts:
+            key = (a.alert, a.subject_key)
+            active.add(key)
+            if key not in self._alerts:
+                pid = int(a.labels["pid"]) if a.labels.get("pid", "").isdigit() else NODE_PID
+                start = max(0.0, (a.started_at - self.t0_wall) * 1e6)
+                args = {"severity": a.severity, "cause": a.cause, "summary": a.summary, **dict(a.values)}
+                self._alerts[key] = _Alert(a.alert, pid, min(start, now_us), args)
+        for key in [k for k in self._alerts if k not in active]:
+            self._close_alert(self._alerts.pop(key), now_us, still_active=False)
+
+    def _close_alert(self, a: _Alert, end_us: float, *, still_active: bool) -> None:
+        args = {**a.args, "active at the end of the recording": still_active}
+        self._add(
+            "alerts",
+            {
+                "ph": "X",
+                "name": a.name,
+                "cat": "alert",
+                "pid": a.pid,
+                "tid": Lane.ALERTS,
+                "ts": a.start_us,
+                "dur": max(0.0, end_us - a.start_us),
+                "args": args,
+            },
+        )
+
+    def on_transfers(self, done: list[TransferDone]) -> None:
+        for d in done:
+            start = (d.start_ns - self.t0_ns) / 1000.0
+            if start < 0:
+                continue  # posted before the recording began
+            dur_us = max(0.0, (d.end_ns - d.start_ns) / 1000.0)
+            args: dict[str, Any] = {"bytes": d.bytes, "status": d.status}
+            if dur_us > 0:
+                args["MiB/s"] = round(d.bytes / MIB / (dur_us / 1e6), 1)
+            self._name_process(d.tgid, f"pid {d.tgid}")
+            self._add(
+                "transfers",
+                {
+                    "ph": "X",
+                    "name": f"{d.lib} {d.op}",
+                    "cat": "transfer",
+                    "pid": d.tgid,
+                    "tid": Lane.TRANSFERS,
+                    "ts": start,
+                    "dur": dur_us,
+                    "args": args,
+                },
+            )
+
+    # --- output -----------------------------------------------------------------------------
+    def finish(self, end_monotonic: float, tick_seconds: float) -> dict[str, Any]:
+        end_us = self.us(end_monotonic)
+        for a in self._alerts.values():
+            self._close_alert(a, end_us, still_active=True)
+        self._alerts.clear()
+        dropped_total = sum(self.dropped.values())
+        if dropped_total:
+            self._add(
+                "note",
+                {
+                    "ph": "i",
+                    "s": "g",
+                    "name": f"kvwatch dropped {dropped_total} events (limit {self.max_events})",
+                    "pid": NODE_PID,
+                    "tid": Lane.ALERTS,
+                    "ts": end_us,
+                    "args": dict(self.dropped),
+                },
+                meta=True,
+            )
+        return {
+            "traceEvents": self.events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "tool": "kvwatch record",
+                "host": self.host,
+                "start_wall_time": self.t0_wall,
+                "start_monotonic_ns": self.t0_ns,
+                "duration_seconds": round(end_us / 1e6, 3),
+                "tick_seconds": tick_seconds,
+                "counters": "counts per tick, placed at the start of the tick they describe",
+                "events": dict(self.counts),
+                "dropped": dict(self.dropped),
+                "max_events": self.max_events,
+                "kernel_lost": dict(self.lost),
+            },
+        }
+
+
+def write_trace(trace: dict[str, Any], output: Path) -> None:
+    tmp = output.with_name(output.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(trace, f, separators=(",", ":"))
+    tmp.replace(output)
+
+
+def record(
+    agent: Agent,
+    duration: float,
+    *,
+    max_events: int = 1_000_000,
+    stop: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> TraceRecorder:
+    """Run the agent's loop for ``duration`` seconds, recording every tick (agent started)."""
+    stop = stop or threading.Event()
+    rec = TraceRecorder(t0_ns=time.monotonic_ns(), t0_wall=time.time(), max_events=max_events)
+    tt = agent.transfer_tracker
+    if tt is not None:
+        tt.probes.set_emit_events(True)
+        tt.events.clear()
+
+    def on_tick(snap: Snapshot) -> None:
+        rec.on_snapshot(snap)
+        if tt is not None:
+            done, tt.events = tt.events, []
+            rec.on_transfers(done)
+        if clock() * 1e9 - rec.t0_ns >= duration * 1e9:
+            stop.set()
+
+    agent.tick_hooks.append(on_tick)
+    on_tick(agent.snapshot if agent.snapshot.tick else agent.tick())
+    try:
+        agent.run(stop)
+    finally:
+        agent.tick_hooks.remove(on_tick)
+        on_tick(agent.tick())  # the last partial tick: counts up to the end
+        rec.ended_at = clock()
+    return rec
+
+
+def run_record(config: Config, duration: float, output: Path, max_events: int) -> int:
+    import os  # noqa: PLC0415
+
+    from kvwatch.daemon.agent import build_agent  # noqa: PLC0415 - bcc only when needed
+
+    if os.geteuid() != 0:
+        print("kvwatch record: needs root (it loads its own eBPF probes)", file=sys.stderr)
+        return 1
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.with_name(output.name + ".tmp").touch()
+    except OSError as err:
+        print(f"kvwatch record: cannot write {output}: {err}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        agent = build_agent(config)
+        agent.start()
+    except Exception as err:
+        print(f"kvwatch record: cannot start probes: {err}", file=sys.stderr)
+        return 1
+    print(f"kvwatch record: recording {duration:g} s to {output} (ctrl-c ends early)", file=sys.stderr)
+    try:
+        rec = record(agent, duration, max_events=max_events, stop=stop)
+    finally:
+        agent.close()
+    trace = rec.finish(rec.ended_at or time.monotonic(), config.daemon.tick_seconds)
+    write_trace(trace, output)
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(rec.counts.items()) if k != "metadata") or "no events"
+    print(f"kvwatch record: wrote {output}: {kinds}", file=sys.stderr)
+    if rec.dropped:
+        print(
+            f"kvwatch record: NOTE {sum(rec.dropped.values())} events dropped at the limit of {max_events} "
+            f"({', '.join(f'{k} {v}' for k, v in sorted(rec.dropped.items()))}); raise --max-events",
+            file=sys.stderr,
+        )
+    if rec.lost:
+        print(f"kvwatch record: NOTE the kernel side lost events: {rec.lost}", file=sys.stderr)
+    return 0

@@ -1,0 +1,355 @@
+"""``kvwatch top``: the live table, one row per watched inference process.
+
+Where the numbers come from (a :class:`Source`): a running daemon's
+``/api/v1/top`` when one answers, otherwise kvwatch's own probes started in this
+process (root needed). The frame is rendered with rich — a Textual app when
+stdout is a terminal, one plain frame for ``--once`` and for pipes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from kvwatch.exporters.top_model import API_PATH, TopFrame, TopRow, build_frame, decode
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from kvwatch.daemon.agent import Agent
+    from kvwatch.daemon.config import Config
+
+MIB = 1024 * 1024
+
+
+# --- where frames come from -----------------------------------------------------------------------
+class SourceError(Exception):
+    """The frame could not be had (daemon gone, garbage answer); the message says why."""
+
+
+class Source(Protocol):
+    description: str
+
+    def fetch(self) -> TopFrame: ...
+
+    def close(self) -> None: ...
+
+
+class DaemonSource:
+    def __init__(self, url: str, timeout: float = 2.0) -> None:
+        self.base = url.rstrip("/")
+        self.url = self.base + API_PATH
+        self.timeout = timeout
+        self.description = f"daemon {self.base}"
+
+    def fetch(self) -> TopFrame:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:  # noqa: S310 - http(s) URL we built
+                body = resp.read()
+        except urllib.error.HTTPError as err:
+            raise SourceError(f"{self.url}: HTTP {err.code}") from None
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise SourceError(f"{self.base} unreachable ({reason})") from None
+        try:
+            return decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            raise SourceError(f"{self.url}: not a kvwatch top frame ({err})") from None
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSource:
+    """kvwatch's own probes and loop, in a thread of this process."""
+
+    def __init__(self, config: Config, agent_factory: Callable[[Config], Agent] | None = None) -> None:
+        from kvwatch.daemon.agent import build_agent  # noqa: PLC0415 - bcc only when needed
+
+        self.description = "own probes (no daemon reachable)"
+        self.agent = (agent_factory or build_agent)(config)
+        self.stop = threading.Event()
+        self.agent.start()
+        self._thread = threading.Thread(target=self._run, name="kvwatch-top-agent", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.agent.run(self.stop)
+
+    def fetch(self) -> TopFrame:
+        if not self._thread.is_alive():
+            raise SourceError("the probe loop stopped")
+        return build_frame(self.agent.snapshot)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(timeout=10)
+        self.agent.close()
+
+
+def daemon_url(config: Config) -> str:
+    from kvwatch.daemon.config import parse_listen  # noqa: PLC0415
+
+    host, port = parse_listen(config.daemon.listen)
+    if host in ("", "0.0.0.0"):  # noqa: S104 - a listen address, not a bind
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if config.daemon.tls_cert else "http"
+    return f"{scheme}://{host}:{port}"
+
+
+# --- formatting ---------------------------------------------------------------------------------
+def num(v: float | None) -> str:
+    """Rates and counts: 0, 7, 12.5, 1.2k, 3.4M; '-' when unknown."""
+    if v is None:
+        return "-"
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.1f}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.1f}k"
+    if a >= 100 or v == int(v):
+        return f"{v:.0f}"
+    return f"{v:.1f}"
+
+
+def mib(v: float | None) -> str:
+    """Bytes (or bytes/s) in MiB with one decimal; '-' when unknown."""
+    return "-" if v is None else f"{v / MIB:.1f}"
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}%"
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str  # sort key
+    title: str
+    cell: Callable[[TopRow], str]
+    value: Callable[[TopRow], Any]
+    justify: str = "right"
+
+
+def _who(r: TopRow) -> str:
+    s = r.engine + (f"/{r.role}" if r.role else "")
+    return s + (f" {r.component}" if r.component else "")
+
+
+def _where(r: TopRow) -> str:
+    return r.pod or r.container or "-"
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("pid", "PID", lambda r: str(r.pid), lambda r: r.pid),
+    Column("engine", "ENGINE/ROLE", _who, _who, "left"),
+    Column("pod", "POD/CONTAINER", _where, _where, "left"),
+    Column("gpu", "GPU MiB", lambda r: mib(r.gpu_bytes), lambda r: r.gpu_bytes or 0),
+    Column("alloc", "ALLOC/s", lambda r: num(r.alloc_per_s), lambda r: r.alloc_per_s),
+    Column("allocb", "ALLOC MiB/s", lambda r: mib(r.alloc_bytes_per_s), lambda r: r.alloc_bytes_per_s),
+    Column("free", "FREE/s", lambda r: num(r.free_per_s), lambda r: r.free_per_s),
+    Column("dev", "DEV MiB", lambda r: mib(r.outstanding_device), lambda r: r.outstanding_device or 0),
+    Column("host", "HOST MiB", lambda r: mib(r.outstanding_host), lambda r: r.outstanding_host or 0),
+    Column("pgfree", "PGFREE/s", lambda r: num(r.page_free_per_s), lambda r: r.page_free_per_s),
+    Column("evict", "EVICT MiB/s", lambda r: mib(r.evict_reclaim_bps), lambda r: r.evict_reclaim_bps),
+    Column("policy", "DEL MiB/s", lambda r: mib(r.evict_policy_bps), lambda r: r.evict_policy_bps),
+    Column("stall", "STALL ms/s", lambda r: num(r.stall_ms_per_s), lambda r: r.stall_ms_per_s),
+    Column("xfer", "XFER MiB/s", lambda r: mib(r.xfer_bps), lambda r: r.xfer_bps),
+    Column("bw", "EFF MiB/s", lambda r: mib(r.xfer_effective_bps or None), lambda r: r.xfer_effective_bps),
+    Column("link", "LINK", lambda r: pct(r.link_pct), lambda r: r.link_pct or 0.0),
+    Column("kv", "KV RM/s", lambda r: num(r.kv_removed_per_s), lambda r: r.kv_removed_per_s or 0.0),
+    Column("alerts", "ALERTS", lambda r: ",".join(r.alerts) or "-", lambda r: len(r.alerts), "left"),
+)
+SORT_KEYS = tuple(c.key for c in COLUMNS)
+_BY_KEY = {c.key: c for c in COLUMNS}
+
+
+@dataclass
+class ViewState:
+    sort: str = "alloc"
+    reverse: bool = True  # biggest first
+    filter: str = ""
+    alerting_only: bool = False
+    interval: float = 1.0
+
+    def rows(self, frame: TopFrame) -> list[TopRow]:
+        rows = [r for r in frame.rows if r.alive]
+        if self.alerting_only:
+            rows = [r for r in rows if r.alerts]
+        if self.filter:
+            f = self.filter.lower()
+            rows = [r for r in rows if any(f in c.cell(r).lower() for c in COLUMNS)]
+        col = _BY_KEY.get(self.sort, _BY_KEY["alloc"])
+        return sorted(rows, key=lambda r: (col.value(r), -r.pid), reverse=self.reverse)
+
+
+def header_text(frame: TopFrame, source: str, view: ViewState, problem: str = "") -> Text:
+    h = frame.header
+    t = Text()
+    stamp = time.strftime("%H:%M:%S", time.localtime(h.wall_time)) if h.wall_time else "--:--:--"
+    t.append(f"kvwatch top - {h.host} - {stamp} - {source}", style="bold")
+    t.append(f" - every {view.interval:g} s - sort {view.sort} {'desc' if view.reverse else 'asc'}")
+    if view.filter:
+        t.append(f" - filter '{view.filter}'")
+    if view.alerting_only:
+        t.append(" - alerting only")
+    t.append("\n")
+    engines = ", ".join(f"{k} {v}" for k, v in sorted(h.engines.items())) or "none"
+    t.append(f"processes {h.processes} ({engines})  GPU {mib(h.gpu_bytes)} MiB  allocs {num(h.alloc_per_s)}/s  ")
+    t.append(f"KV-tier evicted {mib(h.evict_reclaim_bps)} MiB/s (deleted {mib(h.evict_policy_bps)})  ")
+    t.append(f"stall {num(h.stall_ms_per_s)} ms/s  transfers {mib(h.xfer_bps)} MiB/s")
+    if h.link_bps:
+        t.append(f" (link {mib(h.link_bps)} MiB/s)")
+    if h.psi_some_avg10 is not None:
+        t.append(f"  memory PSI {h.psi_some_avg10:.1f}%")
+    t.append("\n")
+    t.append(f"probes {h.probes_attached} attached", style="green" if not h.probes_failed else "yellow")
+    if h.probes_failed:
+        t.append(f"  not working: {', '.join(h.probes_failed)}", style="bold red")
+    if h.probes_silent:
+        t.append(f"  silent: {', '.join(h.probes_silent)}", style="yellow")
+    lost_style = "bold red" if h.lost_events else ""
+    t.append(f"  lost events {h.lost_events}", style=lost_style)
+    if h.lost:
+        t.append(" (" + ", ".join(f"{k} {v}" for k, v in sorted(h.lost.items())) + ")", style=lost_style)
+    t.append(f"  loop {h.loop_ms:.0f} ms")
+    if not h.ready:
+        t.append(f"  NOT READY: {'; '.join(h.not_ready)}", style="bold red")
+    if problem:
+        t.append(f"\n{problem}", style="bold white on red")
+    return t
+
+
+def row_cells(r: TopRow) -> list[Text]:
+    style = "bold red" if r.alerts else ""
+    return [Text(c.cell(r), style=style, justify=c.justify) for c in COLUMNS]  # type: ignore[arg-type]
+
+
+def alerts_text(frame: TopFrame) -> Text:
+    t = Text()
+    for i, a in enumerate(frame.alerts):
+        since = time.strftime("%H:%M:%S", time.localtime(a.started_at))
+        who = f"pid {a.pid}" if a.pid else "node"
+        t.append(
+            ("\n" if i else "") + f"{a.severity.upper():8} {a.alert} ({a.cause}) {who} since {since}: {a.summary}",
+            style="red",
+        )
+    return t
+
+
+def plain_frame(frame: TopFrame, source: str, view: ViewState, problem: str = "") -> Group:
+    """The whole frame as rich renderables: header, table (or a note), alerts."""
+    table = Table(box=None, pad_edge=False, header_style="bold reverse", expand=False)
+    for c in COLUMNS:
+        table.add_column(c.title, justify=c.justify, no_wrap=True)  # type: ignore[arg-type]
+    rows = view.rows(frame)
+    for r in rows:
+        table.add_row(*row_cells(r))
+    parts: list[Any] = [header_text(frame, source, view, problem), Text("")]
+    if rows:
+        parts.append(table)
+    elif frame.rows and (view.filter or view.alerting_only):
+        parts.append(Text("no process matches the filter"))
+    else:
+        parts.append(Text("no inference processes watched (discovery rules: kvwatch doctor; or --pid)"))
+    if frame.alerts:
+        parts += [Text(""), alerts_text(frame)]
+    return Group(*parts)
+
+
+def print_once(frame: TopFrame, source: str, view: ViewState, out: Any = None, width: int | None = None) -> None:
+    console = Console(
+        file=out or sys.stdout,
+        width=width or 240,
+        color_system=None,
+        force_terminal=False,
+        highlight=False,
+        emoji=False,
+    )
+    console.print(plain_frame(frame, source, view), crop=False, overflow="ignore")
+
+
+# --- the command ---------------------------------------------------------------------------------
+@dataclass
+class TopOptions:
+    interval: float = 1.0
+    once: bool = False
+    url: str | None = None
+    local: bool = False
+    sort: str = "alloc"
+    filter: str = ""
+    width: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def open_source(config: Config, opts: TopOptions) -> Source:
+    """The daemon when it answers, else our own probes; SourceError says why neither works."""
+    if opts.url:
+        return DaemonSource(opts.url)  # asked for this daemon: its absence is shown, not worked around
+    if not opts.local:
+        src = DaemonSource(daemon_url(config))
+        try:
+            src.fetch()
+        except SourceError as err:
+            opts.notes.append(f"no daemon: {err}; starting kvwatch's own probes")
+        else:
+            return src
+    import os  # noqa: PLC0415
+
+    if os.geteuid() != 0:
+        raise SourceError("no kvwatch daemon reachable, and starting probes here needs root (try sudo)")
+    try:
+        return LocalSource(config)
+    except Exception as err:  # bcc missing, compile failure: say it plainly
+        raise SourceError(f"cannot start kvwatch's own probes: {err}") from None
+
+
+def run_top(config: Config, opts: TopOptions, argv_hint: Sequence[str] = ()) -> int:
+    try:
+        source = open_source(config, opts)
+    except SourceError as err:
+        print(f"kvwatch top: {err}", file=sys.stderr)
+        return 1
+    for note in opts.notes:
+        print(f"kvwatch top: {note}", file=sys.stderr)
+    view = ViewState(sort=opts.sort, filter=opts.filter, interval=opts.interval)
+    try:
+        if opts.once or not sys.stdout.isatty():
+            if not opts.once:
+                print(
+                    "kvwatch top: stdout is not a terminal; printing one frame (--once does this on purpose)",
+                    file=sys.stderr,
+                )
+            return _once(source, view, opts)
+        from kvwatch.exporters.top_app import TopApp  # noqa: PLC0415 - Textual only for the live view
+
+        TopApp(source, view).run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        source.close()
+    return 0
+
+
+def _once(source: Source, view: ViewState, opts: TopOptions) -> int:
+    """One frame, after one interval so that rates exist."""
+    try:
+        source.fetch()
+        time.sleep(view.interval)
+        frame = source.fetch()
+    except SourceError as err:
+        print(f"kvwatch top: {err}", file=sys.stderr)
+        return 1
+    print_once(frame, source.description, view, width=opts.width)
+    return 0

@@ -1,0 +1,135 @@
+"""`kvwatch record`'s trace building, from hand-built snapshots: format, counts, spans, the bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.snapshot import CudaView, ProcessView, Snapshot, TierView
+from kvwatch.exporters.record import Lane, TraceRecorder, write_trace
+from kvwatch.probes.cuda import ApiCounters
+from kvwatch.probes.transfer import TransferDone
+
+from tests.trace_format import problems
+
+T0_NS = 5_000_000_000  # monotonic 5 s
+T0_WALL = 1_700_000_000.0
+
+
+def snap(t: float, allocs: int, evicted: int, alerts: tuple[Alert, ...] = ()) -> Snapshot:
+    p = ProcessView(
+        key="7@1",
+        pid=7,
+        labels={"pid": "7", "engine": "vllm", "role": "decode", "component": "", "container": "", "pod": "ns/p"},
+        source="rule",
+        alive=True,
+        totals={"page_free_pages": 10.0 * t, "direct_reclaim_seconds": 0.001 * t, "memcg_reclaim_seconds": 0.0},
+        rates={},
+        cuda=CudaView(
+            apis={"cudaMalloc": ApiCounters(ok=allocs, bytes=allocs * 2 << 20), "cudaFree": ApiCounters(ok=allocs)},
+            outstanding={},
+            failures={},
+            symbols_attached=1,
+            libraries=(),
+            ucx_hooks=False,
+        ),
+    )
+    tier = TierView(
+        key="tier:1",
+        tier_id=1,
+        name="disk",
+        path="/kv",
+        source="config",
+        owners=(7,),
+        files=1,
+        totals={"reclaim_pages": float(evicted), "policy_pages": 0.0, "refault_pages": 0.0},
+        rates={},
+    )
+    return Snapshot(
+        wall_time=T0_WALL + t - 5,
+        monotonic=t,
+        tick=int(t),
+        ready=True,
+        not_ready_reasons=(),
+        processes=(p,),
+        tiers=(tier,),
+        alerts=alerts,
+        lost={"transfer_ringbuf": 0},
+    )
+
+
+def alert(start_wall: float) -> Alert:
+    return Alert(
+        "KVCacheReuseCollapse", "7@1", {"pid": "7"}, "empty_cache", "warning", start_wall, {"ratio": 37.0}, "s"
+    )
+
+
+def test_counters_slices_and_spans() -> None:
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h")
+    rec.on_snapshot(snap(5.0, 100, 0))  # baseline: what came before is not the recording's
+    rec.on_snapshot(snap(6.0, 123, 50, (alert(T0_WALL + 0.5),)))
+    rec.on_transfers(
+        [
+            TransferDone(7, "nixl", "write", 8 << 20, T0_NS + 1_000_000, T0_NS + 3_000_000, 0),
+            TransferDone(7, "nixl", "write", 8 << 20, T0_NS - 1, T0_NS + 10, 0),  # posted before: left out
+        ]
+    )
+    rec.on_snapshot(snap(7.0, 130, 80))  # the alert cleared
+    trace = rec.finish(7.5, 1.0)
+    assert problems(trace) == []
+    ev = trace["traceEvents"]
+    cuda = [e for e in ev if e["ph"] == "C" and e["name"] == "CUDA segments"]
+    assert [(e["ts"], e["args"]["allocs"]) for e in cuda] == [(0.0, 23), (1e6, 7)]  # at the start of each tick
+    assert sum(e["args"]["allocs"] for e in cuda) == 30 and cuda[0]["args"]["alloc_mib"] == 46.0
+    tier = [e for e in ev if e["ph"] == "C" and e["pid"] == 0]
+    assert [e["args"]["evicted (reclaim)"] for e in tier] == [50, 30]
+    (x,) = [e for e in ev if e["ph"] == "X" and e["cat"] == "transfer"]
+    assert (x["pid"], x["tid"], x["ts"], x["dur"], x["args"]["bytes"]) == (7, Lane.TRANSFERS, 1000.0, 2000.0, 8 << 20)
+    assert x["args"]["MiB/s"] == 4000.0
+    (a,) = [e for e in ev if e["ph"] == "X" and e["cat"] == "alert"]
+    assert (a["pid"], a["tid"], a["ts"], a["dur"]) == (7, Lane.ALERTS, 500_000.0, 1_500_000.0)
+    assert a["args"]["cause"] == "empty_cache" and a["args"]["active at the end of the recording"] is False
+    names = {(e["pid"], e["args"]["name"]) for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    assert (7, "vllm decode pid 7 (ns/p)") in names and (0, "node h: KV tiers, node alerts") in names
+    lanes = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 7}
+    assert lanes == {"CUDA allocations", "KV transfers", "page cache", "reclaim stalls", "KV blocks", "alerts"}
+    assert trace["otherData"]["dropped"] == {}
+
+
+def test_alert_still_active_at_the_end() -> None:
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h")
+    rec.on_snapshot(snap(5.0, 0, 0, (alert(T0_WALL - 30),)))  # began before the recording
+    trace = rec.finish(6.0, 1.0)
+    (a,) = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert (a["ts"], a["dur"], a["args"]["active at the end of the recording"]) == (0.0, 1e6, True)
+
+
+def test_bound_drops_and_says_so(tmp_path: Path) -> None:
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h", max_events=30)
+    rec.on_snapshot(snap(5.0, 0, 0))
+    kept_before = len(rec.events)
+    rec.on_transfers([TransferDone(7, "nixl", "write", 1, T0_NS + i, T0_NS + i + 5, 0) for i in range(100)])
+    trace = rec.finish(6.0, 1.0)
+    assert problems(trace) == []
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 30 - kept_before
+    assert trace["otherData"]["dropped"] == {"transfers": 100 - len(slices)}
+    (note,) = [e for e in trace["traceEvents"] if e["ph"] == "i"]
+    assert note["name"] == f"kvwatch dropped {100 - len(slices)} events (limit 30)"
+    out = tmp_path / "t.json"
+    write_trace(trace, out)
+    assert json.loads(out.read_text()) == trace and not (tmp_path / "t.json.tmp").exists()
+
+
+def test_checker_catches_bad_traces() -> None:
+    assert problems({"nope": 1}) == ["not the JSON object form: no traceEvents list"]
+    bad = {
+        "traceEvents": [
+            {"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0},
+            {"ph": "C", "name": "c", "pid": 1, "ts": 0, "args": {"v": "x"}},
+            {"ph": "Q", "name": "q", "pid": 1},
+            {"ph": "B", "name": "b", "pid": 1, "tid": 2, "ts": 1},
+        ]
+    }
+    assert len(problems(bad)) == 4

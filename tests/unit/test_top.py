@@ -1,0 +1,244 @@
+"""`kvwatch top`'s model and plain rendering, from hand-built snapshots with known numbers."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import msgspec
+import pytest
+from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
+from kvwatch.exporters.top import DaemonSource, SourceError, ViewState, print_once
+from kvwatch.exporters.top_model import API_PATH, TopFrame, build_frame, decode, encode
+from kvwatch.probes.cuda import ApiCounters
+
+MIB = 1 << 20
+
+
+def proc(pid: int, engine: str = "vllm", **kw: Any) -> ProcessView:
+    labels = {
+        "pid": str(pid),
+        "engine": engine,
+        "role": kw.pop("role", ""),
+        "component": "",
+        "container": "",
+        "pod": "",
+    }
+    labels["pod"] = kw.pop("pod", "")
+    return ProcessView(
+        key=f"{pid}@1",
+        pid=pid,
+        labels=labels,
+        source="rule",
+        alive=kw.pop("alive", True),
+        totals={},
+        rates=kw.pop("rates", {}),
+        **kw,
+    )
+
+
+def cuda(device: int, host: int = 0) -> CudaView:
+    return CudaView(
+        apis={"cudaMalloc": ApiCounters(ok=23, bytes=23 * MIB)},
+        outstanding={"device": device, "host": host, "vmm": 0},
+        failures={},
+        symbols_attached=19,
+        libraries=(),
+        ucx_hooks=False,
+    )
+
+
+def xfer(eff: float) -> TransferView:
+    return TransferView(
+        xfers={},
+        registered_bytes=0,
+        registrations=0,
+        deregistrations=0,
+        registration_errors=0,
+        released_incomplete=0,
+        symbols_attached=5,
+        libraries=(),
+        effective_bytes_per_second=eff,
+    )
+
+
+def alert(name: str, pid: int | None, cause: str = "x", **labels: str) -> Alert:
+    lab = {"pid": str(pid)} if pid is not None else {}
+    return Alert(name, f"{pid}@1", {**lab, **labels}, cause, "warning", 1000.0, {}, f"{name} summary")
+
+
+def snapshot() -> Snapshot:
+    a = proc(
+        101,
+        role="prefill",
+        pod="ns/vllm-0",
+        rates={
+            "cuda_alloc_calls": 37.0,
+            "cuda_alloc_bytes": 37 * 2 * MIB,
+            "cuda_free_calls": 36.0,
+            "page_free_pages": 2311.0,
+            "direct_reclaim_seconds": 0.010,
+            "memcg_reclaim_seconds": 0.0025,
+            "xfer_bytes": 512 * MIB,
+            "kv_removed_blocks:GPU": 40.0,
+            "kv_removed_blocks:CPU": 2.0,
+        },
+        cuda=cuda(23 * 20 * MIB, 4 * MIB),
+        transfers=xfer(1024 * MIB),
+        gpu_used_bytes=8 * 1024 * MIB,
+    )
+    b = proc(202, engine="sglang", rates={"cuda_alloc_calls": 1.0})
+    gone = proc(303, alive=False, rates={"cuda_alloc_calls": 999.0})
+    tier = TierView(
+        key="tier:3",
+        tier_id=3,
+        name="lmcache",
+        path="/mnt/kv",
+        source="config",
+        owners=(101,),
+        files=4,
+        totals={},
+        rates={"reclaim_bytes": 3 * MIB, "policy_bytes": MIB},
+    )
+    return Snapshot(
+        wall_time=1_700_000_000.0,
+        monotonic=10.0,
+        tick=9,
+        ready=True,
+        not_ready_reasons=(),
+        processes=(a, b, gone),
+        tiers=(tier,),
+        alerts=(
+            alert("KVHostTierEvictionUnderPressure", 101),
+            alert("KVWatchProbeDown", None, "silent", probe="page_free"),
+        ),
+        probes=(
+            ProbeView("page_free", "memory", "kmem:mm_page_free", "attached", True, 5),
+            ProbeView("oom_victim", "memory", "oom:mark_victim", "attached", True, 0),
+            ProbeView("cudaMalloc", "cuda", "libcudart:cudaMalloc", "missing", False, 0),
+        ),
+        lost={"ringbuf": 3, "exec_hints_dropped": 0},
+        watched_by_engine={"vllm": 1, "sglang": 1},
+        loop_seconds=0.012,
+        link_bytes_per_second=4096 * MIB,
+    )
+
+
+def test_rows_from_the_snapshot() -> None:
+    frame = build_frame(snapshot(), host="node-a")
+    r = {row.pid: row for row in frame.rows}
+    a = r[101]
+    assert (a.engine, a.role, a.pod) == ("vllm", "prefill", "ns/vllm-0")
+    assert a.alloc_per_s == 37 and a.alloc_bytes_per_s == 74 * MIB and a.free_per_s == 36
+    assert a.outstanding_device == 460 * MIB and a.outstanding_host == 4 * MIB
+    assert a.page_free_per_s == 2311
+    assert a.evict_reclaim_bps == 3 * MIB and a.evict_policy_bps == MIB  # the tier it owns
+    assert a.stall_ms_per_s == pytest.approx(12.5)
+    assert a.xfer_bps == 512 * MIB and a.xfer_effective_bps == 1024 * MIB and a.link_pct == pytest.approx(25.0)
+    assert a.kv_removed_per_s == 42.0
+    assert a.alerts == ("KVHostTierEvictionUnderPressure",)
+    b = r[202]
+    assert b.outstanding_device is None and b.evict_reclaim_bps == 0 and b.kv_removed_per_s is None
+    assert b.link_pct is None
+    h = frame.header
+    assert h.processes == 2 and h.alloc_per_s == 38  # the exited process is not counted
+    assert h.gpu_bytes == 8 * 1024 * MIB and h.evict_reclaim_bps == 3 * MIB
+    assert h.probes_attached == 2 and h.probes_failed == ()  # a missing optional CUDA symbol is not a failure
+    assert h.probes_silent == ("page_free",)
+    assert h.lost_events == 3 and h.lost == {"ringbuf": 3}
+
+
+def test_json_round_trip_and_garbage() -> None:
+    frame = build_frame(snapshot(), host="node-a")
+    assert decode(encode(frame)) == frame
+    for bad in (b"", b"{", b'{"version": 1}', b"[1, 2]", b'{"header": 5, "rows": [], "alerts": []}'):
+        with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
+            decode(bad)
+
+
+def render(frame: TopFrame, view: ViewState | None = None) -> list[str]:
+    buf = io.StringIO()
+    print_once(frame, "daemon http://x", view or ViewState(), out=buf)
+    return [line.rstrip() for line in buf.getvalue().splitlines()]
+
+
+def test_plain_frame_exact() -> None:
+    lines = render(build_frame(snapshot(), host="node-a"))
+    assert lines[0].startswith("kvwatch top - node-a - ") and lines[0].endswith(
+        "daemon http://x - every 1 s - sort alloc desc"
+    )
+    assert lines[1] == (
+        "processes 2 (sglang 1, vllm 1)  GPU 8192.0 MiB  allocs 38/s  KV-tier evicted 3.0 MiB/s (deleted 1.0)  "
+        "stall 12.5 ms/s  transfers 512.0 MiB/s (link 4096.0 MiB/s)"
+    )
+    assert lines[2] == "probes 2 attached  silent: page_free  lost events 3 (ringbuf 3)  loop 12 ms"
+    head = lines[4].split()
+    assert head[:4] == ["PID", "ENGINE/ROLE", "POD/CONTAINER", "GPU"]
+    assert lines[5].split() == [
+        "101", "vllm/prefill", "ns/vllm-0", "8192.0", "37", "74.0", "36", "460.0", "4.0", "2311",
+        "3.0", "1.0", "12.5", "512.0", "1024.0", "25%", "42", "KVHostTierEvictionUnderPressure",
+    ]  # fmt: skip
+    assert lines[6].split() == [
+        "202", "sglang", "-", "-", "1", "0.0", "0", "-", "-", "0", "0.0", "0.0", "0", "0.0", "-", "-", "-", "-",
+    ]  # fmt: skip
+    assert "303" not in "\n".join(lines)  # exited
+    assert lines[-2].startswith("WARNING  KVHostTierEvictionUnderPressure (x) pid 101 since ")
+    assert lines[-1].startswith("WARNING  KVWatchProbeDown (silent) node since ")
+
+
+def test_sort_filter_and_empty() -> None:
+    frame = build_frame(snapshot(), host="n")
+    assert [r.pid for r in ViewState(sort="pid", reverse=False).rows(frame)] == [101, 202]
+    assert [r.pid for r in ViewState(sort="pid").rows(frame)] == [202, 101]
+    assert [r.pid for r in ViewState(filter="SGLANG").rows(frame)] == [202]
+    assert [r.pid for r in ViewState(alerting_only=True).rows(frame)] == [101]
+    assert render(frame, ViewState(filter="nothing-like-this"))[4] == "no process matches the filter"
+    empty = build_frame(Snapshot(wall_time=1.0, monotonic=1.0, tick=1, ready=True, not_ready_reasons=()), host="n")
+    lines = render(empty)
+    assert lines[1].startswith("processes 0 (none)  GPU - MiB  allocs 0/s")
+    assert lines[4] == "no inference processes watched (discovery rules: kvwatch doctor; or --pid)"
+    assert len(lines) == 5
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[HTTPServer, dict[str, Any]]]:
+    state: dict[str, Any] = {"code": 200, "body": b""}
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(state["code"])
+            self.end_headers()
+            self.wfile.write(state["body"])
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield httpd, state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_daemon_source_reads_and_explains_failures(server: tuple[HTTPServer, dict[str, Any]]) -> None:
+    httpd, state = server
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    src = DaemonSource(url)
+    frame = build_frame(snapshot(), host="n")
+    state["body"] = encode(frame)
+    assert src.fetch() == frame
+    state["body"] = b"<html>not kvwatch</html>"
+    with pytest.raises(SourceError, match="not a kvwatch top frame"):
+        src.fetch()
+    state["code"] = 404
+    with pytest.raises(SourceError, match=f"{API_PATH}: HTTP 404"):
+        src.fetch()
+    httpd.shutdown()
+    httpd.server_close()
+    with pytest.raises(SourceError, match="unreachable"):
+        src.fetch()
