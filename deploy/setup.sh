@@ -34,6 +34,7 @@ apt_install() {
 
 # --- bcc and the interpreter it imports under --------------------------------
 apt_install python3-bpfcc python3-venv python3-pip ca-certificates kmod
+[ "$action" = test ] && apt_install tmux  # kvwatch top is tested in a real terminal
 /usr/bin/python3 -c 'import bcc' 2>/dev/null || die "python3-bpfcc is installed but 'import bcc' fails under /usr/bin/python3"
 
 # --- kernel headers ------------------------------------------------------------
