@@ -510,4 +510,9 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
     engines = None
     if config.engines.kv_events or config.engines.metrics:
         engines = EngineTaps(config.engines, ProcFS(config.discovery.proc_root), ErrorBook())
-    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, engines=engines, nvml=nvml, sinks=list(sinks))
+    all_sinks = list(sinks)
+    if config.alerts.alertmanager.url:
+        from kvwatch.exporters.alertmanager import AlertmanagerSink  # noqa: PLC0415 - only when configured
+
+        all_sinks.append(AlertmanagerSink(config.alerts.alertmanager))
+    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, engines=engines, nvml=nvml, sinks=all_sinks)

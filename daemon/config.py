@@ -43,6 +43,9 @@ NonNegFloat = Annotated[float, Field(ge=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
 
+DEFAULT_RUNBOOK = "https://github.com/kvwatch/kvwatch/blob/main/docs/runbook.md"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -264,8 +267,28 @@ class DetectorsConfig(_Section):
     oom: OOMConfig = OOMConfig()
 
 
+class AlertmanagerConfig(_Section):
+    """Post alerts straight to Alertmanager's v2 API (for sites without Prometheus rules)."""
+
+    url: str = ""  # e.g. http://alertmanager:9093; empty: off
+    timeout_seconds: Annotated[float, Field(gt=0, le=60)] = 5.0
+    resend_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0  # Alertmanager resolves what it stops hearing
+    max_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    max_pending: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    labels: dict[str, str] = {}  # added to every alert (cluster, region, ...)
+    runbook_base_url: str = DEFAULT_RUNBOOK
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
 class AlertsConfig(_Section):
     log: bool = True
+    alertmanager: AlertmanagerConfig = AlertmanagerConfig()
 
 
 class Config(_Section):

@@ -34,7 +34,8 @@ apt_install() {
 
 # --- bcc and the interpreter it imports under --------------------------------
 apt_install python3-bpfcc python3-venv python3-pip ca-certificates kmod
-[ "$action" = test ] && apt_install tmux  # kvwatch top is tested in a real terminal
+# tests: kvwatch top in a real terminal; the alert path through real Prometheus and Alertmanager
+[ "$action" = test ] && apt_install tmux prometheus prometheus-alertmanager
 /usr/bin/python3 -c 'import bcc' 2>/dev/null || die "python3-bpfcc is installed but 'import bcc' fails under /usr/bin/python3"
 
 # --- kernel headers ------------------------------------------------------------

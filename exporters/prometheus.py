@@ -34,6 +34,20 @@ def _values(labels: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
     return [str(labels.get(n, "")) for n in names]
 
 
+def _alertmanager_family(s: Snapshot) -> Iterator[Metric]:
+    if s.alertmanager is None:
+        return
+    am = CounterMetricFamily(
+        "kvwatch_alertmanager_alerts",
+        "alert states posted to Alertmanager (sent), posts that failed (failed, retried), "
+        "states dropped at the pending bound (dropped)",
+        labels=["result"],
+    )
+    for result in ("sent", "failed", "dropped"):
+        am.add_metric([result], s.alertmanager.get(result, 0))
+    yield am
+
+
 class SnapshotCollector(Collector):
     def __init__(
         self,
@@ -128,6 +142,7 @@ class SnapshotCollector(Collector):
                 1,
             )
         yield active
+        yield from _alertmanager_family(s)
         fired = CounterMetricFamily("kvwatch_alerts_fired", "alert onsets", labels=["alert"])
         for name in sorted(set(ALERT_NAMES) | set(s.alerts_fired)):
             fired.add_metric([name], s.alerts_fired.get(name, 0))
