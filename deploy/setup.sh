@@ -3,6 +3,7 @@
 #
 #   sudo deploy/setup.sh run  [kvwatch run flags...]   set up, then `kvwatch run` in the foreground
 #   sudo deploy/setup.sh test [pytest args...]         set up (with test tools), then lint + the whole test suite
+#   sudo deploy/setup.sh install                        set up in /opt/kvwatch/venv, install the systemd unit
 #   sudo deploy/setup.sh                                set up only
 #
 # Idempotent: a second call only checks. Installs bcc from the distribution
@@ -15,6 +16,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 action=${1:-setup}
 [ $# -gt 0 ] && shift
 venv="$here/.venv"
+[ "$action" = install ] && venv=/opt/kvwatch/venv  # the path deploy/systemd/kvwatch.service runs
 say() { printf 'kvwatch-setup: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
@@ -34,8 +36,6 @@ apt_install() {
 
 # --- bcc and the interpreter it imports under --------------------------------
 apt_install python3-bpfcc python3-venv python3-pip ca-certificates kmod
-# tests: kvwatch top in a real terminal; the alert path through real Prometheus and Alertmanager
-[ "$action" = test ] && apt_install tmux prometheus prometheus-alertmanager
 /usr/bin/python3 -c 'import bcc' 2>/dev/null || die "python3-bpfcc is installed but 'import bcc' fails under /usr/bin/python3"
 
 # --- kernel headers ------------------------------------------------------------
@@ -73,9 +73,10 @@ fi
 
 # --- test-only tools -------------------------------------------------------------
 if [ "$action" = test ]; then
-    # promtool (golden /metrics check), tmux (top tests), iproute2 (namespaces, tc tbf),
-    # gcc (stub CUDA/NIXL/verbs/NCCL libraries), libibverbs1 (a real verbs library to resolve)
-    apt_install prometheus iproute2 tmux gcc libc6-dev binutils libibverbs1
+    # prometheus + alertmanager (promtool checks, the alert path end to end), tmux (top in a
+    # real terminal), iproute2 (namespaces, tc tbf), gcc (stub CUDA/NIXL/verbs/NCCL libraries),
+    # libibverbs1 (a real verbs library to resolve), systemd (systemd-analyze verify on the unit)
+    apt_install prometheus prometheus-alertmanager iproute2 tmux gcc libc6-dev binutils libibverbs1 systemd
 fi
 
 # --- virtualenv --------------------------------------------------------------------
@@ -88,11 +89,16 @@ extras=""
 [ "$action" = test ] && extras="[test]"
 stamp="$venv/.kvwatch-installed"
 want="$(cd "$here" && { cat pyproject.toml; find daemon probes exporters -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' \) | sort; } | sha256sum | cut -c1-16)$extras"
+[ "$action" = install ] && rm -f "$stamp"  # a copy: always refresh it
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -U pip setuptools >/dev/null
     # strict editable mode: a link tree, so mypy and the tests see the same files as the daemon
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-        -e "$here$extras" --config-settings editable_mode=strict >/dev/null
+    if [ "$action" = install ]; then  # a service gets a copy, not links into this checkout
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check "$here" >/dev/null
+    else
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+            -e "$here$extras" --config-settings editable_mode=strict >/dev/null
+    fi
     if [ "$action" = test ]; then
         # real transfer libraries, no GPU needed: NIXL with its bundled UCX and libibverbs, and
         # NCCL. --no-deps: nixl-cu12 declares torch, which these tests do not use.
@@ -105,6 +111,18 @@ fi
 
 case "$action" in
     setup) say "ready: $venv/bin/kvwatch" ;;
+    install)
+        install -d -m 0755 /etc/kvwatch
+        [ -e /etc/kvwatch/kvwatch.toml ] || install -m 0644 "$here/deploy/kvwatch.example.toml" /etc/kvwatch/kvwatch.toml
+        install -m 0644 "$here/deploy/systemd/kvwatch.service" /etc/systemd/system/kvwatch.service
+        if [ -d /run/systemd/system ]; then
+            systemctl daemon-reload
+            systemctl enable --now kvwatch
+            say "kvwatch enabled and started: systemctl status kvwatch; journalctl -u kvwatch -o cat"
+        else
+            say "installed /etc/systemd/system/kvwatch.service; systemd is not running here: start $venv/bin/kvwatch run yourself"
+        fi
+        ;;
     run) exec "$venv/bin/kvwatch" run "$@" ;;
     test)
         cd "$here"
