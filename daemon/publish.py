@@ -201,5 +201,8 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         recent_alerts=tuple(agent.alerts.history[-50:]),
         link_bytes_per_second=agent.link_bytes_per_second,
         transfers_pending=agent.transfer_tracker.pending if agent.transfer_tracker else 0,
+        uprobe_releases_pending=sum(
+            f.probes.program.pending_releases() for f in agent.families if f.tracker is not None and f.probes
+        ),
         alertmanager=next((dict(st) for st in (getattr(k, "stats", None) for k in agent.alerts.sinks) if st), None),
     )

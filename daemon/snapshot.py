@@ -104,6 +104,7 @@ class Snapshot:
     recent_alerts: tuple[Alert, ...] = ()
     link_bytes_per_second: float = 0.0
     transfers_pending: int = 0
+    uprobe_releases_pending: int = 0  # uprobes detached, their kernel release not finished yet
     alertmanager: Mapping[str, int] | None = None  # sent / failed / dropped, when the direct sink is on
 
     @staticmethod

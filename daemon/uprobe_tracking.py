@@ -46,7 +46,7 @@ class FamilyTracker:
         """Attach to new processes, rescan due ones, detach the gone."""
         now = self.clock()
         alive = {t.pid: t for t in tracked if t.exited_at is None}
-        for pid, a in list(self.attached.items()):
+        for pid, a in list(self.attached.items()):  # copies: the loop thread reads these dicts
             t = alive.get(pid)
             if t is None or t.proc.identity != a.identity:
                 self.detach(pid)
@@ -110,7 +110,7 @@ class FamilyTracker:
     def api_states(self) -> dict[str, HookState]:
         """Per API: attached in at least one process, else why not (for the probe table)."""
         out: dict[str, HookState] = {}
-        for att in self.probes.attachments.values():
+        for att in list(self.probes.attachments.values()):  # the attacher thread adds to it
             for s in att.symbols:
                 if s.state is HookState.ATTACHED or s.api not in out:
                     out[s.api] = s.state

@@ -34,6 +34,15 @@ def _values(labels: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
     return [str(labels.get(n, "")) for n in names]
 
 
+def _uprobe_release_family(s: Snapshot) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "kvwatch_uprobe_releases_pending",
+        "uprobes detached (process gone) whose release by the kernel is still in progress; "
+        "each costs the kernel ~0.1 s, done in the background",
+        value=s.uprobe_releases_pending,
+    )
+
+
 def _alertmanager_family(s: Snapshot) -> Iterator[Metric]:
     if s.alertmanager is None:
         return
@@ -143,6 +152,7 @@ class SnapshotCollector(Collector):
             )
         yield active
         yield from _alertmanager_family(s)
+        yield from _uprobe_release_family(s)
         fired = CounterMetricFamily("kvwatch_alerts_fired", "alert onsets", labels=["alert"])
         for name in sorted(set(ALERT_NAMES) | set(s.alerts_fired)):
             fired.add_metric([name], s.alerts_fired.get(name, 0))
