@@ -93,6 +93,12 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "timeseries",
             ),
             (
+                "Uprobe releases pending",
+                "short",
+                [(f"kvwatch_uprobe_releases_pending{{{NODE}}}", "{{instance}}")],
+                "timeseries",
+            ),
+            (
                 "Errors /s",
                 "short",
                 [(f"sum by (kind) (rate(kvwatch_errors_total{{{NODE}}}[$__rate_interval]))", "{{kind}}")],
