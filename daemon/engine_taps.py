@@ -34,7 +34,7 @@ from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
 from kvwatch.daemon.engine_metrics import EngineSample, EngineScraper, ScrapeTarget, TargetState
 from kvwatch.daemon.kv_events import KVEventHub, StreamSpec, StreamStats
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.procfs import ProcError, ProcFS
+from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.tracker import Tracked
 
 log = structlog.get_logger("kvwatch.engine_taps")
@@ -398,6 +398,9 @@ class EngineTaps:
             return None
         try:
             argv = self.procfs.cmdline(t.pid)
+        except ProcessGone as err:  # exited between discovery and now: normal, counted
+            self.errors.record("engine_plan_gone", "engine exited before its command line was read", err, level="info")
+            return None
         except ProcError as err:
             self.errors.record("engine_plan", "could not read an engine's command line", err)
             return None

@@ -39,13 +39,17 @@ class ErrorBook:
         self.counts: Counter[str] = Counter()
         self._log = logger or structlog.get_logger("kvwatch.errors")
 
-    def record(self, kind: str, message: str = "", exc: BaseException | None = None, **context: Any) -> None:
+    def record(
+        self, kind: str, message: str = "", exc: BaseException | None = None, *, level: str = "error", **context: Any
+    ) -> None:
+        """``level``: ``info`` for races that are part of normal life (a process exiting
+        while it is being attached), still counted under ``kind``."""
         self.counts[kind] += 1
         if self.counts[kind] == 1:
             kw: dict[str, Any] = {"kind": kind, **context}
             if exc is not None:
                 kw["error"] = f"{type(exc).__name__}: {exc}"
-            self._log.error(message or kind, **kw)
+            getattr(self._log, level)(message or kind, **kw)
 
     def add(self, kind: str, n: int) -> None:
         """Count errors observed elsewhere (no log line)."""

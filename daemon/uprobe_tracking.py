@@ -70,7 +70,7 @@ class FamilyTracker:
             att = self.probes.attach(pid)
         except ProcessGoneDuringAttach as err:
             self.errors.record(
-                f"{fam}_attach_process_gone", f"process exited while {fam} probes attached", err, pid=pid
+                f"{fam}_attach_process_gone", f"process exited while {fam} probes attached", err, level="info", pid=pid
             )
             self.forget(pid)
             return

@@ -159,7 +159,8 @@ def cmd_cuda(args: argparse.Namespace) -> None:
 
 def cmd_cudacalls(args: argparse.Namespace) -> None:
     """Exact numbers of CUDA runtime calls through a given libcudart (real or stub).
-    Lines: "call N" (N cudaMalloc then N cudaFree), "load PATH" (dlopen another
+    Lines: "call N" (N cudaMalloc then N cudaFree; "calllast N" through the library
+    loaded last), "load PATH" (dlopen another
     library later), "unload" (dlclose it), "map PATH" (mmap any file), "quit"."""
     libs = [ctypes.CDLL(args.lib)]
     maps: list[mmap.mmap] = []
@@ -168,8 +169,8 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
         words = sys.stdin.readline().split()
         if not words or words[0] == "quit":
             return
-        if words[0] == "call":
-            rt = libs[0]
+        if words[0] in ("call", "calllast"):  # calllast: through the library loaded last
+            rt = libs[0] if words[0] == "call" else libs[-1]
             ok, first_rc = 0, None
             ptrs = []
             for i in range(int(words[1])):
