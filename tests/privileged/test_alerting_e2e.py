@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.stublib import build
 
 from tests.privileged.helpers import Child, daemon, free_port, wait_until
 
@@ -117,13 +116,6 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
         yield url
     finally:
         s.stop()
-
-
-@pytest.fixture
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("stubcuda")
-    build(d)
-    return d
 
 
 def prometheus(tmp_path: Path, kvwatch_port: int, am_url: str) -> Server:

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.stublib import build
 
 from tests.privileged.helpers import Child, DaemonProcess, daemon, wait_until
 
@@ -32,13 +31,6 @@ window_seconds = 2
 confirm_windows = 2
 clear_windows = 2
 """
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("stubcuda")
-    build(d)
-    return d
 
 
 @pytest.fixture(scope="module")

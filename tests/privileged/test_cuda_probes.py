@@ -38,13 +38,6 @@ def real_cudart() -> Path:
     return lib
 
 
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("stubcuda")
-    build(d)
-    return d
-
-
 @pytest.fixture
 def probes() -> Iterator[CudaProbes]:
     p = CudaProbes()

@@ -15,18 +15,17 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvwatch.daemon.memcg import MemoryCgroup
-from kvwatch.daemon.stublib import build
 from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.libs import LibraryError
 from kvwatch.probes.tracefs import bcc_probe_events_of
 from kvwatch.probes.uprobes import ProcessGoneDuringAttach
 
+from tests.fakes import recording_server
 from tests.privileged.helpers import Child, DaemonProcess, daemon, free_port, wait_until
 
 MIB = 1 << 20
@@ -47,13 +46,6 @@ cuda_rescan_seconds = 1
 active_seconds = 30
 {extra}
 """
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("stubcuda")
-    build(d)
-    return d
 
 
 def watched(d: DaemonProcess, pid: int) -> bool:
@@ -250,24 +242,8 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
 # --- SIGTERM mid-burst, kill -9 ----------------------------------------------------------------
 @pytest.fixture
 def fake_alertmanager() -> Iterator[tuple[str, list[Any]]]:
-    import json
-
-    got: list[Any] = []
-
-    class H(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            got.extend(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", got
-    httpd.shutdown()
-    httpd.server_close()
+    with recording_server() as (url, got):
+        yield url, got
 
 
 def test_sigterm_mid_burst_exits_cleanly_with_alerts_flushed(
@@ -295,7 +271,7 @@ def test_sigterm_mid_burst_exits_cleanly_with_alerts_flushed(
     finally:
         d.stop()
     assert code == 0 and took < 15, (code, took)
-    assert [a["labels"]["alertname"] for a in got] == ["InferenceProcessOOMKilled"]
+    assert [a["labels"]["alertname"] for _, body in got for a in body] == ["InferenceProcessOOMKilled"]
     events = d.log_events()
     assert any(e.get("event") == "stopped: probes detached, alert sinks flushed" for e in events)
     assert bcc_probe_events_of(d.proc.pid) == []

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.nixl_peer import NixlPeer
-from kvwatch.daemon.stublib import build
 from kvwatch.daemon.workloads import MIB, make_files, resident_total
 
 from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, free_port, wait_until
@@ -41,13 +40,6 @@ rescan_seconds = 1
 """
 
 HAVE_TMUX = shutil.which("tmux") is not None
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("stubcuda")
-    build(d)
-    return d
 
 
 @pytest.fixture

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvwatch.daemon.alerts import Alert
 from kvwatch.daemon.config import AlertmanagerConfig
 from kvwatch.exporters.alertmanager import AlertmanagerSink
+
+from tests.fakes import recording_server
 
 
 class Clock:
@@ -112,21 +112,8 @@ def test_bounded_pending_drops_and_counts() -> None:
 
 
 def test_real_http_and_close_flushes() -> None:
-    got: list[Any] = []
-
-    class H(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            got.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        s = AlertmanagerSink(AlertmanagerConfig(url=f"http://127.0.0.1:{httpd.server_address[1]}"))
+    with recording_server() as (url, got):
+        s = AlertmanagerSink(AlertmanagerConfig(url=url))
         t0 = time.monotonic()
         s.onset(alert())
         assert time.monotonic() - t0 < 0.01  # the loop never waits for the network
@@ -137,6 +124,3 @@ def test_real_http_and_close_flushes() -> None:
         s.clear(alert(ended=1_700_000_100.0))
         s.close()
         assert "endsAt" in got[-1][1][0]  # flushed at shutdown
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
