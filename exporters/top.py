@@ -8,6 +8,7 @@ stdout is a terminal, one plain frame for ``--once`` and for pipes.
 
 from __future__ import annotations
 
+import ssl
 import sys
 import threading
 import time
@@ -44,15 +45,17 @@ class Source(Protocol):
 
 
 class DaemonSource:
-    def __init__(self, url: str, timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float = 2.0, cafile: str | None = None) -> None:
         self.base = url.rstrip("/")
         self.url = self.base + API_PATH
         self.timeout = timeout
         self.description = f"daemon {self.base}"
+        # a daemon with its own (self-signed) certificate: trust that certificate
+        self._ssl = ssl.create_default_context(cafile=cafile) if cafile and url.startswith("https") else None
 
     def fetch(self) -> TopFrame:
         try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:  # noqa: S310 - http(s) URL we built
+            with urllib.request.urlopen(self.url, timeout=self.timeout, context=self._ssl) as resp:  # noqa: S310
                 body = resp.read()
         except urllib.error.HTTPError as err:
             raise SourceError(f"{self.url}: HTTP {err.code}") from None
@@ -298,7 +301,8 @@ def open_source(config: Config, opts: TopOptions) -> Source:
     if opts.url:
         return DaemonSource(opts.url)  # asked for this daemon: its absence is shown, not worked around
     if not opts.local:
-        src = DaemonSource(daemon_url(config))
+        cert = str(config.daemon.tls_cert) if config.daemon.tls_cert else None
+        src = DaemonSource(daemon_url(config), cafile=cert)
         try:
             src.fetch()
         except SourceError as err:

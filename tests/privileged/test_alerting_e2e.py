@@ -174,6 +174,7 @@ def test_reuse_collapse_reaches_alertmanager_both_ways(tmp_path: Path, alertmana
 
                 wait_until(both, 30, "KVCacheReuseCollapse in Alertmanager from the rules and from the sink", 0.5)
                 latency = time.monotonic() - t0
+                print(f"onset -> both alerts in Alertmanager: {latency:.1f} s")
                 got = am_alerts(alertmanager, "KVCacheReuseCollapse")
                 (direct,) = [a for a in got if a["labels"].get("source") == "kvwatch"]
                 (ruled,) = [a for a in got if "source" not in a["labels"]]

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import urllib.error
@@ -386,3 +387,36 @@ def test_concurrent_scrapes_agree(server: MetricsServer) -> None:
     for t in threads:
         t.join()
     assert len(bodies) == 160 and len(set(bodies)) == 1
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_tls_endpoints_and_top_over_tls(tmp_path: Path) -> None:
+    """daemon.tls_cert/tls_key: every endpoint over TLS only; `kvwatch top` trusts the
+    daemon's own (self-signed) certificate."""
+    from kvwatch.exporters.top import DaemonSource, SourceError
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    snap = fixture_snapshot(wall=1000.0)
+    collector = SnapshotCollector(lambda: snap, clock=lambda: 1001.0)
+    srv = MetricsServer(
+        "127.0.0.1", 0, build_registry(collector), lambda: snap, clock=lambda: 1001.0, tls_cert=cert, tls_key=key
+    )
+    srv.start()
+    try:
+        host, port = srv.address
+        ctx = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://{host}:{port}/metrics", timeout=5, context=ctx) as r:
+            assert r.status == 200 and b"kvwatch_build_info" in r.read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read()
+        frame = DaemonSource(f"https://{host}:{port}", cafile=str(cert)).fetch()
+        assert frame.header.tick == snap.tick
+        with pytest.raises(SourceError, match="unreachable"):  # an unknown certificate is refused
+            DaemonSource(f"https://{host}:{port}").fetch()
+    finally:
+        srv.stop()
