@@ -70,12 +70,14 @@ def measure(exe: Path, lib: str, mode: str, rounds: int) -> dict[str, float]:
                 probes.attach(loop.p.pid)
                 res[name].append(loop.go())
                 probes.detach(loop.p.pid)
+                probes.settle()  # really gone before timing
             # a process using the same library while another one is watched
             watched = Loop(exe, lib, 1, mode)
             auto.attach(watched.p.pid)
             res["bystander"].append(Loop(exe, lib, n, mode).go())
             watched.go()
             auto.detach(watched.p.pid)
+            auto.settle()  # really gone before timing
     finally:
         auto.close()
         full.close()

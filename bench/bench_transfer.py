@@ -42,6 +42,7 @@ def loop(exe: Path, lib_dir: Path, mode: str, n: int, probes: TransferProbes | N
     p.wait()
     if probes is not None:
         probes.detach(p.pid)
+        probes.settle()  # really gone before timing
     return ns / calls
 
 
@@ -94,6 +95,7 @@ def nixl_throughput(rounds: int, transfers: int) -> dict[str, float] | str:
                 (on if attached else off).append(reply["bytes"] / seconds)
                 if attached:
                     probes.detach(init.pid)
+                    probes.settle()  # really gone before timing
         finally:
             probes.close()
             init.close()

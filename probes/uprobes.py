@@ -175,6 +175,11 @@ class PerProcessUprobes:
         self.forget_counters(pid)
         return n
 
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait until every detached probe is released by the kernel (detach returns first;
+        measurements that compare attached with detached need the probes really gone)."""
+        self.program.wait_releases(timeout)
+
     def forget_counters(self, tgid: int) -> None:
         """Drop the family's in-kernel counters of a process (override)."""
 

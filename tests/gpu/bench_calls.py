@@ -91,6 +91,7 @@ def main() -> None:
                     counted = c.apis[api].ok if c is not None and api in c.apis else 0
                     report.setdefault(f"counted_{driver_api}_{mode}", []).append(counted)  # type: ignore[union-attr]
                     probes.detach(p.pid)
+                    probes.settle()  # really gone before timing
                 return ns / calls
 
             for mode in ("free0", "malloc"):

@@ -284,6 +284,7 @@ def overhead(args: argparse.Namespace) -> dict[str, object]:
                     c = probes.sample().processes.get(p.pid)
                     calls += c.alloc_calls(("cudaMalloc",)) if c else 0
                     probes.detach(p.pid)
+                    probes.settle()  # really gone before timing
                     on.append(seconds)
                 elif r > 0:  # round 0 warms the process up
                     off.append(seconds)
