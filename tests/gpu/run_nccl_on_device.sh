@@ -12,4 +12,4 @@ for d in daemon probes exporters; do ln -sfn "$PWD/$d" "/tmp/kvpkg/kvwatch/$d"; 
 export PYTHONPATH=/tmp/kvpkg:/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r; nvidia-smi topo -m; } > "$out/gpu.txt" 2>&1
 head -3 "$out/gpu.txt"
-timeout "${NCCL_TIMEOUT:-240}" .gpu-bundle/with-bcc python3 tests/gpu/validate_nccl.py --out "$out" --rounds 3 2>&1 | tee "$out/validate_nccl.log" | tail -40
+timeout "${NCCL_TIMEOUT:-240}" .gpu-bundle/with-bcc python3 tests/gpu/validate_nccl.py --out "$out" --rounds 9 2>&1 | tee "$out/validate_nccl.log" | tail -40
