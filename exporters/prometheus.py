@@ -43,6 +43,16 @@ def _uprobe_release_family(s: Snapshot) -> Iterator[Metric]:
     )
 
 
+# per KV event stream: StreamStats attribute, metric name, help
+STREAM_COUNTERS = (
+    ("batches", "kvwatch_kv_event_batches", "KV event batches decoded"),
+    ("gaps", "kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)"),
+    ("replayed", "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint"),
+    ("lost", "kvwatch_kv_event_batches_lost", "missed batches not recovered"),
+    ("restarts", "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again"),
+)
+
+
 def _alertmanager_family(s: Snapshot) -> Iterator[Metric]:
     if s.alertmanager is None:
         return
@@ -393,19 +403,11 @@ class SnapshotCollector(Collector):
         connected = GaugeMetricFamily(
             "kvwatch_kv_event_stream_connected", "1 while the KV event subscriber is connected", labels=s_labels
         )
-        batches = CounterMetricFamily("kvwatch_kv_event_batches", "KV event batches decoded", labels=s_labels)
-        gaps = CounterMetricFamily("kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)", labels=s_labels)
-        replayed = CounterMetricFamily(
-            "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint", labels=s_labels
-        )
-        lost = CounterMetricFamily("kvwatch_kv_event_batches_lost", "missed batches not recovered", labels=s_labels)
+        per_stream = {attr: CounterMetricFamily(name, doc, labels=s_labels) for attr, name, doc in STREAM_COUNTERS}
         bad = CounterMetricFamily(
             "kvwatch_kv_event_decode_errors",
             "messages (kind frames, sequence, payload) or events (kind event) dropped as malformed",
             labels=[*s_labels, "kind"],
-        )
-        restarts = CounterMetricFamily(
-            "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again", labels=s_labels
         )
         scrapes = CounterMetricFamily(
             "kvwatch_engine_scrapes",
@@ -434,11 +436,8 @@ class SnapshotCollector(Collector):
             for x in e.streams:
                 sv = [*v, x.spec.endpoint, str(x.spec.dp_rank)]
                 connected.add_metric(sv, 1 if x.connected else 0)
-                batches.add_metric(sv, x.batches)
-                gaps.add_metric(sv, x.gaps)
-                replayed.add_metric(sv, x.replayed)
-                lost.add_metric(sv, x.lost)
-                restarts.add_metric(sv, x.restarts)
+                for attr, fam in per_stream.items():
+                    fam.add_metric(sv, getattr(x, attr))
                 for kind, n in sorted(x.decode_errors.items()):
                     bad.add_metric([*sv, kind], n)
             if e.scrape is not None:
@@ -450,7 +449,9 @@ class SnapshotCollector(Collector):
                     usage.add_metric(v, sample.usage)
             if e.hit_ratio is not None:
                 hit.add_metric(v, e.hit_ratio)
-        yield from (stored, removed, young, resets, connected, batches, gaps, replayed, lost, bad, restarts)
+        yield from (stored, removed, young, resets, connected)
+        yield from (per_stream[a] for a in ("batches", "gaps", "replayed", "lost"))
+        yield from (bad, per_stream["restarts"])
         yield from (scrapes, usage, hit)
 
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
