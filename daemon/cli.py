@@ -92,6 +92,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand with the config flags every command takes."""
+    p = sub.add_parser(name, help=help_text, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_flags(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvwatch",
@@ -100,28 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvwatch {kvwatch_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser(
-        "run",
-        help="the daemon (foreground)",
-        epilog=RUN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_config_flags(run)
+    run = _command(sub, "run", "the daemon (foreground)", RUN_EPILOG)
     run.add_argument("--listen", metavar="HOST:PORT", help="address for /metrics, /healthz, /readyz")
     run.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
-    doctor = sub.add_parser("doctor", help="check prerequisites and run a canary per probe")
-    _add_config_flags(doctor)
+    doctor = _command(sub, "doctor", "check prerequisites and run a canary per probe")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--no-oom-canary", action="store_true", help="skip the OOM canary (kills its own child)")
 
-    top = sub.add_parser(
-        "top",
-        help="live table of watched inference processes",
-        epilog=TOP_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_config_flags(top)
+    top = _command(sub, "top", "live table of watched inference processes", TOP_EPILOG)
     top.add_argument("--interval", type=_positive, default=1.0, metavar="S", help="refresh every S seconds (1)")
     top.add_argument("--once", action="store_true", help="print one plain frame after one interval and exit")
     top.add_argument("--url", help="the daemon to read (default: from the config's daemon.listen)")
@@ -130,19 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--filter", default="", help="initial filter: text in any column")
     top.add_argument("--width", type=int, help="--once: width of the frame (default 240)")
 
-    rec = sub.add_parser(
-        "record",
-        help="record a timeline (Chrome trace-event JSON for Perfetto / chrome://tracing)",
-        epilog=RECORD_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    rec = _command(
+        sub, "record", "record a timeline (Chrome trace-event JSON for Perfetto / chrome://tracing)", RECORD_EPILOG
     )
-    _add_config_flags(rec)
     rec.add_argument("--duration", type=_positive, required=True, metavar="S", help="seconds to record")
     rec.add_argument("--output", "-o", type=Path, required=True, metavar="FILE", help="trace file to write (.json)")
     rec.add_argument("--max-events", type=int, default=1_000_000, metavar="N", help="bound on events kept (1000000)")
 
-    demo = sub.add_parser("demo", help="reproduce each failure mode with the daemon watching")
-    _add_config_flags(demo)
+    demo = _command(sub, "demo", "reproduce each failure mode with the daemon watching")
     demo.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0")
     demo.add_argument(
         "--scenario",
