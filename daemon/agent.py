@@ -1,7 +1,10 @@
 """The daemon's loop: probes → typed records → per-process windows → detectors → one snapshot per tick.
 
-Single-threaded on purpose: the loop owns every mutable structure; the HTTP
-server and other readers only see the immutable ``Snapshot`` it publishes.
+The loop owns the detectors, windows and alerts; the HTTP server and other readers
+only see the immutable ``Snapshot`` it publishes. Work that blocks in the kernel or on
+the network runs beside it: each uprobe family's attacher (daemon/families.py), the KV
+event hub, the engine scraper and the Alertmanager sender; the loop reads what they
+publish.
 """
 
 from __future__ import annotations

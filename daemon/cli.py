@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -234,7 +235,6 @@ class Daemon:
 
 
 def cmd_top(config: Config, args: argparse.Namespace) -> int:
-    import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     from kvwatch.exporters.top import TopOptions, run_top  # noqa: PLC0415 - subcommand on demand

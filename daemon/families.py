@@ -41,14 +41,12 @@ class UprobeFamily(Generic[P, T]):
         make_tracker: Callable[[P], T],
         *,
         enabled: bool,
-        threaded: bool = True,
     ) -> None:
         self.name = name
         self.probes = probes
         self.probe_apis = tuple(type(probes).apis) if probes is not None else ()
         self.make_tracker = make_tracker
         self.enabled = enabled
-        self.threaded = threaded
         self.tracker: T | None = None
         self.failure = ""
         self._wanted: list[Tracked] | None = None
@@ -70,9 +68,8 @@ class UprobeFamily(Generic[P, T]):
             return
         self.tracker = self.make_tracker(self.probes)
         self._errors = errors
-        if self.threaded:
-            self._attacher = threading.Thread(target=self._run, name=f"kvwatch-attach-{self.name}", daemon=True)
-            self._attacher.start()
+        self._attacher = threading.Thread(target=self._run, name=f"kvwatch-attach-{self.name}", daemon=True)
+        self._attacher.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -22,6 +22,7 @@ monotonic clock, which the daemon's HTTP view cannot carry.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sys
@@ -342,7 +343,6 @@ def record(
 
 
 def run_record(config: Config, duration: float, output: Path, max_events: int) -> int:
-    import os  # noqa: PLC0415
 
     from kvwatch.daemon.agent import build_agent  # noqa: PLC0415 - bcc only when needed
 

@@ -8,6 +8,7 @@ stdout is a terminal, one plain frame for ``--once`` and for pipes.
 
 from __future__ import annotations
 
+import os
 import ssl
 import sys
 import threading
@@ -309,7 +310,6 @@ def open_source(config: Config, opts: TopOptions) -> Source:
             opts.notes.append(f"no daemon: {err}; starting kvwatch's own probes")
         else:
             return src
-    import os  # noqa: PLC0415
 
     if os.geteuid() != 0:
         raise SourceError("no kvwatch daemon reachable, and starting probes here needs root (try sudo)")

@@ -122,9 +122,16 @@ class Tmux:
     def __init__(self, command: str, width: int = 220, height: int = 40) -> None:
         self.session = f"kvwtop{uuid.uuid4().hex[:8]}"
         subprocess.run(
-            ["tmux", "new-session", "-d", "-s", self.session, "-x", str(width), "-y", str(height), command],
+            ["tmux", "new-session", "-d", "-s", self.session, "-x", str(width), "-y", str(height), "sh"],
             check=True,
         )
+        # a fresh tmux server may size a window without clients to 80x24 first: fix the size,
+        # then start the command in it, so it never sees another size
+        subprocess.run(["tmux", "set-option", "-t", self.session, "window-size", "manual"], check=True)
+        self.resize(width, height)
+        # pytest's environment carries COLUMNS/LINES (80x24), which a terminal UI obeys over the pane
+        self.keys("-l", f"unset COLUMNS LINES; {command}")
+        self.keys("Enter")
 
     def screen(self) -> str:
         return subprocess.run(
@@ -144,7 +151,11 @@ class Tmux:
             if text in s:
                 return s
             time.sleep(0.2)
-        raise AssertionError(f"{text!r} not on screen after {timeout}s:\n{self.screen()}")
+        size = subprocess.run(
+            ["tmux", "display", "-p", "-t", self.session, "#{window_width}x#{window_height}"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        raise AssertionError(f"{text!r} not on screen after {timeout}s ({size}):\n{self.screen()}")
 
     def close(self) -> None:
         subprocess.run(["tmux", "kill-session", "-t", self.session], check=False, capture_output=True)
