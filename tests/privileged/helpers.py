@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvwatch.daemon.workloads import Workload
+from kvwatch.probes.tracefs import tracefs_root
 from prometheus_client.parser import text_string_to_metric_families
 
 KVWATCH = [sys.executable, "-m", "kvwatch.daemon"]
@@ -38,6 +40,52 @@ class Child(Workload):
         self.expect(expect, timeout)
 
 
+class PageFreeTruth:
+    """Ground truth independent of kvwatch: the kernel's own ftrace of ``kmem:mm_page_free`` for one task.
+
+    A private tracefs instance (its own ring buffer, ``set_event_pid`` filter)
+    records every page-free event that fires in the task's context. That is what
+    kvwatch claims to count, including pages the kernel frees on someone else's
+    behalf while the task runs (a per-CPU LRU batch it drains holds other tasks'
+    pages too), so kvwatch's count must equal this one exactly, not approximately.
+    The task must be single-threaded (the filter is by thread id, kvwatch by TGID).
+    """
+
+    def __init__(self, pid: int, buffer_kb: int = 8192) -> None:
+        root = tracefs_root()
+        assert root is not None, "tracefs is not mounted"
+        self.dir = root / "instances" / f"kvwatch-truth-{pid}-{time.monotonic_ns()}"
+        self.pid = pid
+        self.buffer_kb = buffer_kb
+
+    def __enter__(self) -> PageFreeTruth:
+        self.dir.mkdir()
+        (self.dir / "buffer_size_kb").write_text(str(self.buffer_kb))
+        (self.dir / "set_event_pid").write_text(str(self.pid))
+        (self.dir / "events/kmem/mm_page_free/enable").write_text("1")
+        (self.dir / "tracing_on").write_text("1")
+        return self
+
+    def clear(self) -> None:
+        (self.dir / "trace").write_text("")
+
+    def pages(self) -> int:
+        """Pages freed in the task's context since the start (or the last clear)."""
+        lost = 0
+        for stats in (self.dir / "per_cpu").glob("cpu*/stats"):
+            fields = dict(line.split(":", 1) for line in stats.read_text().splitlines() if ":" in line)
+            lost += int(fields.get("overrun", "0")) + int(fields.get("dropped events", "0"))
+        assert lost == 0, f"ftrace lost {lost} events: the ground truth is incomplete"
+        return sum(1 << int(m) for m in re.findall(r"mm_page_free: .* order=(\d+)", (self.dir / "trace").read_text()))
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            (self.dir / "tracing_on").write_text("0")
+            (self.dir / "events/kmem/mm_page_free/enable").write_text("0")
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,6 +99,19 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: fl
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def settled(read: Callable[[], float], quiet: float = 1.2, timeout: float = 10.0) -> float:
+    """A published value once it has stayed the same for ``quiet`` seconds (more than two daemon ticks)."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        again = read()
+        if again == value:
+            return value
+        value = again
+    raise AssertionError(f"value still changing after {timeout}s (last {value})")
 
 
 class DaemonProcess:

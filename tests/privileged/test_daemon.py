@@ -17,7 +17,7 @@ from kvwatch.daemon.memcg import MemoryCgroup
 from kvwatch.daemon.workloads import MIB, drop_file_cache, make_files, resident_total
 from kvwatch.probes.tracefs import bcc_probe_events_of
 
-from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, wait_until
+from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, PageFreeTruth, daemon, settled, wait_until
 
 N_PAGES = 2311
 
@@ -65,12 +65,17 @@ def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path
         with Child("pages", str(N_PAGES)) as w:
             wait_until(lambda: watched(d, w.pid), 10, "workload discovered")
             w.step("go", "done")  # warm-up
-            time.sleep(0.6)
-            before = d.value("kvwatch_page_free_pages_total", pid=str(w.pid))
-            w.step("go", "done")
-            time.sleep(1.2)  # one tick publishes it
-            got = d.value("kvwatch_page_free_pages_total", pid=str(w.pid)) - before
-            assert N_PAGES <= got <= N_PAGES * 1.01, got
+            with PageFreeTruth(w.pid) as truth:
+                before = settled(lambda: d.value("kvwatch_page_free_pages_total", pid=str(w.pid)))
+                truth.clear()  # the daemon has published everything up to here; the truth starts here
+                w.step("go", "done")
+
+                def delta() -> float:
+                    return d.value("kvwatch_page_free_pages_total", pid=str(w.pid)) - before
+
+                # exact: the kernel's own trace of the same tracepoint for the same task
+                wait_until(lambda: delta() == truth.pages(), 5, "the metric to equal ftrace's count")
+                assert N_PAGES <= delta() <= N_PAGES + 4 * 31 + 16, delta()  # page tables, foreign LRU batches
             labels = next(lab for lab, _ in d.metrics()["kvwatch_page_free_pages_total"] if lab["pid"] == str(w.pid))
             assert labels["engine"] == "testengine"
         # the workload exited: its series leaves /metrics after the exit grace period

@@ -15,9 +15,11 @@ from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes, kerne
 from kvwatch.probes.records import HookState, MemorySample, OomKill, ProcessExited, ProcessForked
 from kvwatch.probes.tracefs import tracefs_root
 
-from tests.privileged.helpers import Child
+from tests.privileged.helpers import Child, PageFreeTruth
 
-N_PAGES = 2311  # a prime, as bcc's rule asks; large enough that page-table pages stay under 1 %
+N_PAGES = 2311  # a prime, as bcc's rule asks
+# Above N_PAGES: page tables (~5 pages) and other tasks' pages from a drained per-CPU LRU batch (31 folios per batch)
+FOREIGN_SLACK = 4 * 31 + 16
 
 
 @pytest.fixture
@@ -44,20 +46,27 @@ def pages_of(sample: MemorySample, pid: int) -> int:
 
 
 def test_page_free_counts_watched_process_only(probes: MemoryProbes) -> None:
+    """Exact against ftrace's own record of the same tracepoint for the same task, and the workload's pages inside it.
+
+    The workload frees exactly N_PAGES of its own; the kernel adds its page-table
+    pages and, now and then, other tasks' pages that sat in the per-CPU LRU batch
+    the workload drains (seen in CI: +29). Those are freed in the workload's
+    context too, so kvwatch counts them, and so does ftrace.
+    """
     with Child("pages", str(N_PAGES)) as watched, Child("pages", str(N_PAGES)) as other:
         assert probes.watch(watched.pid)
         watched.step("go", "done")  # warm-up: Python's first pass through the code frees a few pages of its own
-        before = pages_of(probes.sample(), watched.pid)
-        watched.step("go", "done")
-        other.step("go", "done")
-        got = pages_of(probes.sample(), watched.pid) - before
-        assert N_PAGES <= got <= N_PAGES * 1.01, got
+        with PageFreeTruth(watched.pid) as truth:
+            for _ in range(2):  # twice: the same closure, nothing carried over
+                truth.clear()
+                before = pages_of(probes.sample(), watched.pid)
+                watched.step("go", "done")
+                other.step("go", "done")
+                got = pages_of(probes.sample(), watched.pid) - before
+                expected = truth.pages()
+                assert got == expected, (got, expected)
+                assert N_PAGES <= got <= N_PAGES + FOREIGN_SLACK, got
         assert other.pid not in probes.sample().processes
-        # again: the same exact count, nothing carried over
-        before = pages_of(probes.sample(), watched.pid)
-        watched.step("go", "done")
-        got2 = pages_of(probes.sample(), watched.pid) - before
-        assert N_PAGES <= got2 <= N_PAGES * 1.01, got2
     assert probes.sample().hits["page_free"] >= 4 * N_PAGES
 
 
