@@ -5,12 +5,17 @@ Per process and KV medium, over a trailing window:
 * eviction rate — blocks removed per second from vLLM's KV event stream
   (``kv_removed_blocks:MEDIUM``); without a stream, the engine's own counters
   (SGLang ``evicted_tokens`` → GPU, in tokens; LMCache CPU evicted keys → CPU);
-* hot when the rate is at least max(factor x baseline, floor) **and** the prefix-hit
-  ratio of that medium (vLLM prefix-cache hits / queries in tokens for GPU, LMCache
-  hit / requested tokens for CPU) fell at least ``hit_drop`` below its baseline with
-  ``min_queried_tokens`` queried in the window. Where no hit ratio is exported at all,
-  the rate alone decides; where it is exported but too little was queried to judge,
-  nothing fires (an idle engine cannot burst).
+* hot when the rate is at least max(factor x baseline, floor) — now or at any evaluation
+  within the last window — **and** the prefix-hit ratio of that medium (vLLM
+  prefix-cache hits / queries in tokens for GPU, LMCache hit / requested tokens for CPU)
+  fell at least ``hit_drop`` below its reference with ``min_queried_tokens`` queried in
+  the window. The hit ratio lags the evictions (a lost prefix misses only when it is
+  asked for again), hence the burst is remembered for a window. The reference is the
+  higher of the learnt baseline and the hit ratio measured just before the burst: a
+  baseline learnt while the cache was still filling sits far below what the engine
+  achieves now. Where no hit ratio is exported at all, the rate alone decides; where it
+  is exported but too little was queried to judge, nothing fires (an idle engine cannot
+  burst).
 * cause: ``pressure`` when KV usage ≥ ``usage_pressure`` (the root cause of what comes
   with it); else ``thrash`` when most removed blocks were stored less than
   ``thrash_seconds`` before (hot blocks evicted; from the stream's own timestamps, or
@@ -82,6 +87,8 @@ def sources(s: SeriesSet) -> list[Source]:
 class _Medium:
     rate: Baseline
     hit: Baseline
+    burst_at: float | None = None  # last evaluation that saw the rate above the threshold
+    hit_before: float | None = None  # hit ratio at the last evaluation with no burst in the window
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +203,7 @@ class EvictionBurst:
             st.medium = src.medium
             st.cause = ""
         labels = {**p.subject.labels, "medium": st.medium or src.medium}
-        hit = f", prefix hits {m['hit_ratio']:.0%} (baseline {m['baseline_hit_ratio']:.0%})" if "hit_ratio" in m else ""
+        hit = f", prefix hits {m['hit_ratio']:.0%} (were {m['reference_hit_ratio']:.0%})" if "hit_ratio" in m else ""
         usage = f", KV usage {m['kv_usage']:.0%}" if "kv_usage" in m else ""
         young = f", {m['young_fraction']:.0%} of them recently stored" if "young_fraction" in m else ""
         return Finding(
@@ -222,19 +229,27 @@ class EvictionBurst:
         )
         limit = threshold(ms.rate.value, c.factor, floor)
         burst = m["eviction_rate"] >= limit and m["eviction_rate"] > 0
+        if burst:
+            ms.burst_at = now
+        recent = ms.burst_at is not None and now - ms.burst_at <= c.window_seconds
+        if not recent and not st.hysteresis.firing and "hit_ratio" in m:
+            ms.hit_before = m["hit_ratio"]
+        known = [v for v in (ms.hit.value if ms.hit.weight > 0 else None, ms.hit_before) if v is not None]
+        reference = max(known, default=0.0)
         if src.queries is None:
             hit_ok = True  # this engine exports no hit ratio: the rate alone decides
         else:
-            hit_ok = "hit_ratio" in m and ms.hit.weight > 0 and m["hit_ratio"] <= ms.hit.value - c.hit_drop
-        hot = warm and not quiet and burst and hit_ok
+            hit_ok = "hit_ratio" in m and bool(known) and m["hit_ratio"] <= reference - c.hit_drop
+        hot = warm and not quiet and recent and hit_ok
         m.update(
             threshold=limit,
             baseline_rate=ms.rate.value,
             baseline_hit_ratio=ms.hit.value,
+            reference_hit_ratio=reference,
             ratio_to_baseline=m["eviction_rate"] / ms.rate.value if ms.rate.value > 0 else 0.0,
         )
-        cool = quiet or m["eviction_rate"] < 0.5 * limit or not hit_ok
-        if st.hysteresis.firing or burst or quiet:  # a burst is not learnt as normal, hit drop or not (yet)
+        cool = quiet or (m["eviction_rate"] < 0.5 * limit and not recent) or not hit_ok
+        if st.hysteresis.firing or recent or quiet:  # a burst is not learnt as normal, hit drop or not (yet)
             ms.rate.hold(now)
             ms.hit.hold(now)
         elif st.learning_since is not None:

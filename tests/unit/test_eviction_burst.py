@@ -135,6 +135,43 @@ def test_no_alert_before_warm_and_learnt() -> None:
     assert r.onsets == 0
 
 
+def test_hit_drop_lagging_the_burst_still_fires() -> None:
+    """Evicted prefixes miss only when asked for again: the hit ratio falls after the evictions did."""
+    r = Run()
+    warm(r)
+    r.seconds(3, removed=300, hit=0.8)  # the evictions, hits not yet affected
+    r.seconds(8, removed=2, hit=0.1)  # then the misses
+    assert r.onsets == 1
+    first = next(f for f in r.log if f.firing)
+    assert first.values["reference_hit_ratio"] == pytest.approx(0.8)
+    r.seconds(20)
+    assert not r.firing and r.onsets == 1
+
+
+def test_late_hit_drop_after_the_window_is_not_the_burst() -> None:
+    r = Run()
+    warm(r)
+    r.seconds(3, removed=300, hit=0.8)
+    r.seconds(12, removed=2, hit=0.8)  # a full window with no misses: the burst hurt nobody
+    r.seconds(10, removed=2, hit=0.1)  # a hit drop much later has other causes
+    assert r.onsets == 0
+
+
+def test_baseline_learnt_while_the_cache_filled_does_not_hide_a_burst() -> None:
+    """A fresh engine: hits near 0 while the cache fills, then 95 %. The learnt mean sits far
+    below 95 % for a long time; the hit ratio just before the burst is the reference."""
+    r = Run()
+    r.seconds(40, hit=0.0)
+    r.seconds(30, hit=0.95)
+    assert r.onsets == 0
+    baseline = r.log[-1].values["baseline_hit_ratio"]
+    assert baseline < 0.6  # would not be crossed by 0.5 - 0.3
+    r.seconds(10, removed=300, hit=0.5)
+    assert r.onsets == 1
+    first = next(f for f in r.log if f.firing)
+    assert first.values["reference_hit_ratio"] == pytest.approx(0.95)
+
+
 def test_reset_is_intentional() -> None:
     r = Run()
     warm(r)
