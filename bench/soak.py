@@ -95,8 +95,9 @@ def metrics(port: int) -> dict[str, float]:
 
 
 class Workload:
-    def __init__(self, stub: Path, kvdir: Path) -> None:
+    def __init__(self, stub: Path, kvdir: Path, spawn_every: float = 2.0, file_every: float = 5.0) -> None:
         self.stub, self.kvdir = stub, kvdir
+        self.spawn_every, self.file_every = spawn_every, file_every
         self.procs: list[tuple[subprocess.Popen[str], float]] = []
         self.spawned = 0
         self.pages = self._start("pages", "125")  # 125 pages x 4 go/s = 500 pages/s
@@ -134,7 +135,7 @@ class Workload:
                 p.stdin.flush()
             self.procs.append((p, now + random.uniform(4, 6)))  # noqa: S311 - a lifetime, not a secret
             self.spawned += 1
-            self.next_spawn += 2
+            self.next_spawn += self.spawn_every
         for p, until in list(self.procs):
             if now >= until:
                 with contextlib.suppress(OSError):
@@ -146,7 +147,7 @@ class Workload:
             f.write_bytes(os.urandom(1 << 20))
             f.read_bytes()
             f.unlink()
-            self.next_file += 5
+            self.next_file += self.file_every
 
     def close(self) -> None:
         for p in [self.pages, self.cuda, *(p for p, _ in self.procs)]:
@@ -159,6 +160,8 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--sample-seconds", type=float, default=10)
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.md"))
+    ap.add_argument("--spawn-seconds", type=float, default=2.0, help="a short-lived watched process every N s")
+    ap.add_argument("--file-seconds", type=float, default=5.0, help="a KV-tier file written and deleted every N s")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwatch-soak-", dir="/var/tmp"))
     stub = work / "stub"
@@ -184,7 +187,7 @@ def main() -> int:
                 if metrics(port).get("kvwatch_ready", 0) == 1:
                     break
             time.sleep(0.5)
-        w = Workload(stub, kvdir)
+        w = Workload(stub, kvdir, args.spawn_seconds, args.file_seconds)
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
         next_sample = t0
