@@ -223,20 +223,26 @@ class Agent:
         return self._published.snapshot
 
     def run(self, stop: threading.Event) -> None:
-        """Tick until ``stop`` is set; between ticks, drain ring buffers as events arrive."""
+        """Tick until ``stop`` is set; between ticks, drain ring buffers as events arrive.
+
+        The memory ring wakes the poll itself. The uprobe families' rings are not in that
+        poll, so while any process has uprobes attached the loop also wakes every 100 ms
+        to drain them; with none attached it sleeps until the tick (each wakeup costs
+        ~0.6 ms of CPU on the development VM: 10 a second were a third of the idle cost)."""
         period = self.config.daemon.tick_seconds
         next_tick = self.clock() + period
         while not stop.is_set():
             remaining = next_tick - self.clock()
             if remaining > 0:
+                wait = min(remaining, 0.1) if any(f.active() for f in self.families) else remaining
                 if self.memory is not None:
                     try:
-                        self.memory.poll(int(min(remaining, 0.1) * 1000))
+                        self.memory.poll(int(wait * 1000))
                     except Exception as err:
                         self.errors.record("ring_poll", "ring buffer poll failed", err)
-                        stop.wait(min(remaining, 0.1))
+                        stop.wait(wait)
                 else:
-                    stop.wait(min(remaining, 0.1))
+                    stop.wait(wait)
                 for family in self.families:
                     family.consume(self.errors)
                 if self._has_urgent_events():

@@ -85,6 +85,10 @@ class UprobeFamily(Generic[P, T]):
                     self._errors.record(f"attach_loop_{self.name}", f"{self.name} attacher failed", err)
             self.syncs += 1
 
+    def active(self) -> bool:
+        """Some process has this family's probes attached: its ring buffer can get events."""
+        return self.tracker is not None and bool(self.tracker.attached)
+
     def consume(self, errors: ErrorBook) -> None:
         if self.probes is None:
             return
