@@ -21,11 +21,12 @@ int main(int argc, char **argv) {
     double start = now(), done = 0;
     long total = 0;
     while (now() - start < seconds) {
-        double due = (now() - start) * rate - done;
-        if (due > rate * 0.1)          /* fell behind (the rate is above what this CPU does): */
-            done += due - rate * 0.01; /* drop the backlog instead of one huge mapping */
-        due = (now() - start) * rate - done;
-        long n = (long)(due < rate * 0.01 ? due : rate * 0.01);
+        double due = (now() - start) * rate - done, step = rate * 0.01;
+        if (due > rate * 0.1) { /* fell behind (the rate is above what this CPU does): */
+            done += due - step;  /* drop the backlog instead of one huge mapping */
+            due = step;
+        }
+        long n = (long)(due < step ? due : step);
         if (n > 0) {
             char *p = mmap(NULL, n * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             if (p == MAP_FAILED) { perror("mmap"); return 1; }
