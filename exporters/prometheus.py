@@ -120,7 +120,7 @@ class SnapshotCollector(Collector):
 
         lost = CounterMetricFamily(
             "kvwatch_events_lost",
-            "events dropped anywhere (ring buffer full, map full, queue full)",
+            "events dropped anywhere (ring buffer full, map full, queue full, probe runs the kernel skipped)",
             labels=["source"],
         )
         for source, n in sorted(s.lost.items()):

@@ -160,6 +160,22 @@ class Program:
     def open_uprobes(self) -> int:
         return len(self._bpf.uprobe_fds)
 
+    def skipped_runs(self, fn_name: str) -> int:
+        """Times the kernel skipped ``fn_name`` instead of running it (``recursion_misses``).
+
+        A BPF program does not nest on one CPU: when the tracepoint fires again while a
+        tracing program runs there (a page freed in an interrupt that arrived during the
+        page-free program, an RCU batch of page-table pages), the kernel drops that run and
+        counts it in the program's statistics. Those events are lost to kvwatch but not to
+        ftrace, so they are reported as lost rather than silently missing. Read from the
+        program's /proc/self/fdinfo (no struct layout involved); 0 for a program not loaded."""
+        return int(self.fdinfo(fn_name).get("recursion_misses", "0"))
+
+    def fdinfo(self, fn_name: str) -> dict[str, str]:
+        """The kernel's fdinfo of loaded program ``fn_name`` (prog_id, run_cnt, recursion_misses, ...)."""
+        fn = self._bpf.funcs.get(fn_name.encode())
+        return {} if fn is None else read_fdinfo(Path(f"/proc/self/fdinfo/{fn.fd}"))
+
     # --- maps ----------------------------------------------------------------------
     def table(self, name: str) -> Table:
         """The map called ``name``; bcc rebuilds key/leaf types on every get_table (half a
@@ -195,6 +211,20 @@ class Program:
             self._closer.shutdown(wait=True)
             self._closer = None
         self._bpf.cleanup()
+
+
+def read_fdinfo(path: Path) -> dict[str, str]:
+    """``key:<tab>value`` lines of an fdinfo file; empty when it cannot be read (descriptor gone)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _release_uprobe(fd: int, event: bytes) -> None:

@@ -373,8 +373,15 @@ class MemoryProbes:
             tiers=tiers,
             tier_readers=readers,
             hits=_percpu_array(prog, "hits", [h.name for h in HOOKS]),
-            lost=_percpu_array(prog, "lost", list(LOST_SOURCES)),
+            lost=_percpu_array(prog, "lost", list(LOST_SOURCES)) | self.skipped(),
         )
+
+    def skipped(self) -> dict[str, int]:
+        """Per attached hook, the runs the kernel skipped because a BPF program was already
+        running on that CPU (``<hook>_skipped``); see ``Program.skipped_runs``."""
+        prog = self.program
+        attached = {s.name for s in self._statuses.values() if s.state is HookState.ATTACHED}
+        return {f"{h.name}_skipped": prog.skipped_runs(h.fn) for h in HOOKS if h.name in attached}
 
     def ebpf_text(self) -> str:
         hooks, _ = self.plan()

@@ -25,6 +25,7 @@ from tests.privileged.helpers import (
     PageFreeTruth,
     daemon,
     settled,
+    wait_closes,
     wait_until,
 )
 
@@ -76,16 +77,23 @@ def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path
             w.step("go", "done")  # warm-up
             with PageFreeTruth(w.pid) as truth:
                 before = settled(lambda: d.value("kvwatch_page_free_pages_total", pid=str(w.pid)))
+                skipped0 = d.value(
+                    "kvwatch_events_lost_total", source="page_free_skipped"
+                )  # node-wide; early read only widens the bound
                 truth.clear()  # the daemon has published everything up to here; the truth starts here
                 w.step("go", "done")
 
                 def delta() -> float:
                     return d.value("kvwatch_page_free_pages_total", pid=str(w.pid)) - before
 
+                def skipped() -> float:
+                    return d.value("kvwatch_events_lost_total", source="page_free_skipped") - skipped0
+
                 expected = truth.pages()  # complete: the workload frees its pages before it answers
-                # exact: the kernel's own trace of the same tracepoint for the same task
-                wait_until(lambda: delta() == expected, 5, f"the metric to equal ftrace's count {expected}")
-                assert N_PAGES <= delta() <= N_PAGES + FOREIGN_PAGE_SLACK, delta()
+                # the kernel's own trace of the same tracepoint for the same task: exact unless the
+                # kernel skipped page-free runs in the window (nested interrupts), then within them
+                got, _ = wait_closes(delta, expected, skipped)
+                assert got + skipped() >= N_PAGES and got <= N_PAGES + FOREIGN_PAGE_SLACK, got
             labels = next(lab for lab, _ in d.metrics()["kvwatch_page_free_pages_total"] if lab["pid"] == str(w.pid))
             assert labels["engine"] == "testengine"
         # the workload exited: its series leaves /metrics after the exit grace period

@@ -34,6 +34,7 @@ from tests.privileged.helpers import (
     daemon,
     free_port,
     settled,
+    wait_closes,
     wait_until,
 )
 
@@ -232,8 +233,14 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
                 except Exception as err:
                     failures.append(repr(err))
 
+        def skipped() -> float:
+            return d.value("kvwatch_events_lost_total", source="page_free_skipped")
+
         with PageFreeTruth(w.pid) as truth:
             start = settled(value)
+            skipped0 = (
+                skipped()
+            )  # read once: it moves with every process on the node; an early read only widens the bound
             truth.clear()
             threads = [threading.Thread(target=scrape, args=(i,)) for i in range(8)]
             for t in threads:
@@ -243,7 +250,8 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
                     w.step("go", "done")
                 expected = truth.pages()  # complete: the workload frees its pages before it answers
                 # exact: the kernel's own trace of the same tracepoint for the same task
-                wait_until(lambda: value() - start == expected, 5, f"the metric to equal ftrace's count {expected}")
+                # exact unless the kernel skipped page-free runs (a nested interrupt): then within them
+                wait_closes(lambda: value() - start, expected, lambda: skipped() - skipped0)
             finally:
                 stop.set()
                 for t in threads:
@@ -254,7 +262,8 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
         for s in seen:
             assert s == sorted(s), "a counter went backwards between scrapes"  # no read-and-clear
         assert sum(len(s) for s in seen) > 50  # they really hammered it
-        assert d.value("kvwatch_events_lost_total") == 0
+        lost = {lab["source"]: v for lab, v in d.metrics()["kvwatch_events_lost_total"] if v}
+        assert [src for src in lost if not src.endswith("_skipped")] == [], lost  # only the kernel's own skips
 
 
 # --- SIGTERM mid-burst, kill -9 ----------------------------------------------------------------
