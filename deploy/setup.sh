@@ -75,8 +75,9 @@ fi
 if [ "$action" = test ]; then
     # prometheus + alertmanager (promtool checks, the alert path end to end), tmux (top in a
     # real terminal), iproute2 (namespaces, tc tbf), gcc (stub CUDA/NIXL/verbs/NCCL libraries),
-    # libibverbs1 (a real verbs library to resolve), systemd (systemd-analyze verify on the unit)
-    apt_install prometheus prometheus-alertmanager iproute2 tmux gcc libc6-dev binutils libibverbs1 systemd
+    # libibverbs1 (a real verbs library to resolve), systemd (systemd-analyze verify on the unit),
+    # bpftool (the kernel's own per-program statistics, ground truth for skipped probe runs)
+    apt_install prometheus prometheus-alertmanager iproute2 tmux gcc libc6-dev binutils libibverbs1 systemd bpftool
 fi
 
 # --- virtualenv --------------------------------------------------------------------
