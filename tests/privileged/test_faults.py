@@ -180,8 +180,12 @@ def test_pid_reuse_is_a_new_process(tmp_path: Path) -> None:
 # --- garbage to kvwatch's own endpoints --------------------------------------------------------
 def raw(port: int, payload: bytes, timeout: float = 3.0) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
+        # The server may answer an oversized request (414/431) and close before it has read
+        # all of it; the close then resets the connection under the sender (seen in CI under
+        # load: shutdown -> ENOTCONN). What it answered, if anything arrived, is still read.
+        with contextlib.suppress(OSError):
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
         chunks = []
         with contextlib.suppress(TimeoutError, ConnectionResetError):
             while chunk := s.recv(65536):
@@ -205,6 +209,9 @@ def test_garbage_http_requests_change_nothing(tmp_path: Path) -> None:
         for a in answers:
             assert b"root:" not in a and b"Traceback" not in a
         assert answers[3].startswith(b"HTTP/1.0 405") and answers[5].startswith(b"HTTP/1.0 404")
+        # refused, or reset before the refusal arrived (the server closes without reading the rest)
+        assert answers[1] == b"" or answers[1].startswith(b"HTTP/1.0 414"), answers[1][:80]
+        assert answers[2] == b"" or answers[2].startswith(b"HTTP/1.0 431"), answers[2][:80]
         code, body = d.get("/metrics")
         assert code == 200 and body.splitlines()[0] == before.splitlines()[0]
         assert d.get("/healthz")[0] == 200 and d.get("/api/v1/top")[0] == 200
