@@ -15,6 +15,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -65,14 +66,31 @@ def nccl_result() -> dict[str, float] | None:
     return cost or None
 
 
+def nccl_small_result() -> dict[str, Any] | None:
+    """The recorded run of tests/gpu/nccl_small_cost.py with the most rounds."""
+    runs = [json.loads(p.read_text()) for p in ROOT.glob("tests/gpu/results/h200x2-*/small-cost*/nccl_small_cost.json")]
+    return max(runs, key=lambda r: int(r.get("rounds", 0)), default=None)
+
+
 def gpu_nccl() -> str:
     c = nccl_result()
     if c is None:
         return "not measured (device time)"
-    return (
+    text = (
         f"NCCL 64 MiB send/recv on two H200s: {c['large_GiB_per_s_off']:.1f} → {c['large_GiB_per_s_on']:.1f} GiB/s "
-        f"({c['large_slowdown_pct']:.1f} % slower); 4 KiB messages {c['small_us_per_call_off']:.1f} → "
-        f"{c['small_us_per_call_on']:.1f} µs per call (tests/gpu/results/h200x2-*)"
+        f"({c['large_slowdown_pct']:.1f} % slower)"
+    )
+    small = nccl_small_result()
+    if small is None:
+        return text + (
+            f"; 4 KiB messages {c['small_us_per_call_off']:.1f} → {c['small_us_per_call_on']:.1f} µs per call"
+            " (tests/gpu/results/h200x2-*)"
+        )
+    us = small["us_per_message_median"]
+    return text + (
+        f"; 4 KiB messages, {small['rounds']} rotating rounds: {us['off']:.1f} → {us['kvwatch']:.1f} µs per message"
+        f" (a no-op uprobe pair at the same place: {us['noop_pair']:.1f}; rounds vary by ~10 µs)"
+        " (tests/gpu/results/h200x2-*)"
     )
 
 
