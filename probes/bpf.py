@@ -169,12 +169,12 @@ class Program:
         counts it in the program's statistics. Those events are lost to kvwatch but not to
         ftrace, so they are reported as lost rather than silently missing. Read from the
         program's /proc/self/fdinfo (no struct layout involved); 0 for a program not loaded."""
-        return int(self.fdinfo(fn_name).get("recursion_misses", "0"))
+        return int(self.fdinfo(fn_name, "recursion_misses") or 0)
 
-    def fdinfo(self, fn_name: str) -> dict[str, str]:
-        """The kernel's fdinfo of loaded program ``fn_name`` (prog_id, run_cnt, recursion_misses, ...)."""
+    def fdinfo(self, fn_name: str, key: str) -> str | None:
+        """One field of loaded program ``fn_name``'s fdinfo (prog_id, run_cnt, recursion_misses, ...)."""
         fn = self._bpf.funcs.get(fn_name.encode())
-        return {} if fn is None else read_fdinfo(Path(f"/proc/self/fdinfo/{fn.fd}"))
+        return None if fn is None else fdinfo_field(fn.fd, key)
 
     # --- maps ----------------------------------------------------------------------
     def table(self, name: str) -> Table:
@@ -213,18 +213,26 @@ class Program:
         self._bpf.cleanup()
 
 
-def read_fdinfo(path: Path) -> dict[str, str]:
-    """``key:<tab>value`` lines of an fdinfo file; empty when it cannot be read (descriptor gone)."""
+def fdinfo_field(fd: int, key: str) -> str | None:
+    """Field ``key`` of this process's /proc/self/fdinfo/``fd``; None when absent or the descriptor is gone.
+
+    Read every tick for each attached hook, so plain os calls and one search: a
+    Path.read_text and a parsed dict per hook cost five times as much (0.2 vs 0.04 ms
+    for the memory family's 12 hooks on the development VM)."""
     try:
-        text = path.read_text()
+        f = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY)
     except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out
+        return None
+    try:
+        text = os.read(f, 4096)
+    finally:
+        os.close(f)
+    i = text.find(f"\n{key}:".encode())
+    if i < 0:
+        return None
+    start = i + len(key) + 2
+    end = text.find(b"\n", start)
+    return text[start : end if end >= 0 else None].strip().decode()
 
 
 def _release_uprobe(fd: int, event: bytes) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from validate_nccl import Peer, exchange, free_port
+from validate_nccl import Peer, close_peers, exchange, free_port
 
 NOOP = b"int noop(void *ctx) { return 0; }"
 
@@ -124,12 +124,7 @@ def main() -> int:
         }
         probes.close()
     finally:
-        for p in peers:
-            try:
-                p.send("quit")
-                p.proc.wait(30)
-            except Exception:
-                p.proc.kill()
+        close_peers(peers)
     (args.out / "nccl_small_cost.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result.get(k) for k in ("us_per_message_median", "delta_us_vs_off", "wins_vs_off")}))
     print(json.dumps(result.get("kvwatch_hits_per_message", [])[:2]))

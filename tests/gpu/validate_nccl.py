@@ -75,6 +75,16 @@ class Peer:
         return self.reply
 
 
+def close_peers(peers: list[Peer]) -> None:
+    """Ask each rank to quit; kill one that does not within 30 s."""
+    for p in peers:
+        try:
+            p.send("quit")
+            p.proc.wait(30)
+        except Exception:
+            p.proc.kill()
+
+
 def exchange(peers: list[Peer], n: int, a: int, m: int, b: int) -> list[dict[str, Any]]:
     for p in peers:
         p.send(f"xfer {n} {a} {m} {b}")
@@ -176,12 +186,7 @@ def main() -> int:
         }
         probes.close()
     finally:
-        for p in peers:
-            try:
-                p.send("quit")
-                p.proc.wait(30)
-            except Exception:
-                p.proc.kill()
+        close_peers(peers)
     result["total_seconds"] = round(time.monotonic() - t_start, 1)
     (args.out / "nccl_validation.json").write_text(json.dumps(result, indent=1))
     lines = [

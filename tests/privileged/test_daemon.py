@@ -77,9 +77,8 @@ def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path
             w.step("go", "done")  # warm-up
             with PageFreeTruth(w.pid) as truth:
                 before = settled(lambda: d.value("kvwatch_page_free_pages_total", pid=str(w.pid)))
-                skipped0 = d.value(
-                    "kvwatch_events_lost_total", source="page_free_skipped"
-                )  # node-wide; early read only widens the bound
+                # node-wide, read once: an early read only widens the bound
+                skipped0 = d.value("kvwatch_events_lost_total", source="page_free_skipped")
                 truth.clear()  # the daemon has published everything up to here; the truth starts here
                 w.step("go", "done")
 

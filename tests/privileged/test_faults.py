@@ -245,9 +245,8 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
 
         with PageFreeTruth(w.pid) as truth:
             start = settled(value)
-            skipped0 = (
-                skipped()
-            )  # read once: it moves with every process on the node; an early read only widens the bound
+            # read once: it moves with every process on the node; an early read only widens the bound
+            skipped0 = skipped()
             truth.clear()
             threads = [threading.Thread(target=scrape, args=(i,)) for i in range(8)]
             for t in threads:
@@ -256,8 +255,8 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
                 for _ in range(23):
                     w.step("go", "done")
                 expected = truth.pages()  # complete: the workload frees its pages before it answers
-                # exact: the kernel's own trace of the same tracepoint for the same task
-                # exact unless the kernel skipped page-free runs (a nested interrupt): then within them
+                # the kernel's own trace of the same tracepoint for the same task: exact unless the
+                # kernel skipped page-free runs in the window (nested interrupts), then within them
                 wait_closes(lambda: value() - start, expected, lambda: skipped() - skipped0)
             finally:
                 stop.set()
