@@ -1,18 +1,18 @@
 """vLLM's KV event wire format, decoded (for the subscriber) and encoded (for test publishers).
 
-Read off ``vllm/distributed/kv_events.py`` of vLLM 0.9.2, 0.11.0 and 0.33.0 and checked
+Read off ``vllm/distributed/kv_events.py`` of vLLM 0.9.2, 0.11.0, 0.26.0 and 0.33.0 and checked
 against bytes produced by vLLM's own publisher (``tests/fixtures/kv_events``):
 
 * PUB multipart message: ``[topic, sequence (8-byte big-endian, unsigned), payload]``.
 * Replay (ROUTER): the request is ``start_seq`` as 8 bytes big-endian; a DEALER sends
   ``[b"", start]``. Replies are ``[b"", seq, payload]`` (0.9, 0.11) or
-  ``[b"", topic, seq, payload]`` (0.33), then an end marker whose seq is ``-1``
+  ``[b"", topic, seq, payload]`` (0.26, 0.33), then an end marker whose seq is ``-1``
   (signed) and whose payload is empty.
 * payload: msgpack, by ``msgspec.msgpack.Encoder`` of ``KVEventBatch(ts, events,
   data_parallel_rank)`` — an array (``array_like=True``). Events are a tagged union
   tagged by class name (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``):
   arrays with the tag first up to 0.11, maps with a ``"type"`` key from (at least)
-  0.33. Fields only ever get appended, so one decoder per shape reads every release
+  0.26. Fields only ever get appended, so one decoder per shape reads every release
   seen: unknown trailing array items and unknown map keys are skipped, missing
   trailing ones take their defaults.
 
@@ -222,12 +222,13 @@ def replay_request(start_seq: int) -> list[bytes]:
 class Layout(StrEnum):
     V0_9 = "0.9"  # array events; no medium (0.9.2)
     V0_11 = "0.11"  # array events with medium (0.11.0)
-    V0_33 = "0.33"  # array batch, map events, many optional fields (0.33.0)
+    V0_26 = "0.26"  # array batch, map events (0.26.0: what the H200 validation ran)
+    V0_33 = "0.33"  # array batch, map events, more optional fields (0.33.0)
 
 
 def _structs(layout: Layout) -> dict[str, type[msgspec.Struct]]:
     """The event classes as that vLLM release declares them (names are the tags)."""
-    arr = layout is not Layout.V0_33
+    arr = layout in (Layout.V0_9, Layout.V0_11)
 
     class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
@@ -262,6 +263,28 @@ def _structs(layout: Layout) -> dict[str, type[msgspec.Struct]]:
         class BlockRemoved(KVCacheEvent):  # type: ignore[no-redef]
             block_hashes: list[Any]
             medium: str | None
+
+    elif layout is Layout.V0_26:  # a map's header counts the fields a struct could have: exact set
+
+        class BlockStored(KVCacheEvent):  # type: ignore[no-redef]
+            block_hashes: list[Any]
+            parent_block_hash: Any
+            token_ids: list[int]
+            block_size: int
+            lora_id: int | None
+            medium: str | None
+            lora_name: str | None
+            extra_keys: list[Any] | None = None
+            group_idx: int | None = None
+            kv_cache_spec_kind: str | None = None
+            kv_cache_spec_sliding_window: int | None = None
+            locality: str | None = None
+
+        class BlockRemoved(KVCacheEvent):  # type: ignore[no-redef]
+            block_hashes: list[Any]
+            medium: str | None
+            group_idx: int | None = None
+            locality: str | None = None
 
     else:
 
@@ -325,9 +348,17 @@ def encode_batch(
 
 
 def stored(
-    hashes: Sequence[Hash], token_ids: Sequence[int], *, medium: str | None = "GPU", parent: Hash | None = None
+    hashes: Sequence[Hash],
+    token_ids: Sequence[int],
+    *,
+    medium: str | None = "GPU",
+    parent: Hash | None = None,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
-    block_size = len(token_ids) // max(len(hashes), 1)
+    """A ``BlockStored``; vLLM's offloading connector announces CPU blocks as placeholders:
+    one hash, no tokens, ``block_size`` 0."""
+    if block_size is None:
+        block_size = len(token_ids) // max(len(hashes), 1)
     return {
         "type": "BlockStored",
         "block_hashes": list(hashes),

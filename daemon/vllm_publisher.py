@@ -154,7 +154,7 @@ class WirePublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        head = [client, b""] + ([self.topic] if self.layout is Layout.V0_33 else [])
+        head = [client, b""] + ([self.topic] if self.layout in (Layout.V0_26, Layout.V0_33) else [])
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart([*head, seq.to_bytes(SEQ_BYTES, "big"), payload])

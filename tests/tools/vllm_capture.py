@@ -95,9 +95,14 @@ def _stand_ins() -> None:
 
 
 def load(version: str) -> types.ModuleType:
-    path = extract(version)
+    return load_path(extract(version))
+
+
+def load_path(path: Path) -> types.ModuleType:
+    """vLLM's ``kv_events.py`` from a file, with stand-ins for the vLLM modules it imports."""
     _stand_ins()
-    spec = importlib.util.spec_from_file_location(f"vllm_kv_events_{version.replace('.', '_')}", path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(f"vllm_kv_events_{digest}", path)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

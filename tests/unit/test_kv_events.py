@@ -27,7 +27,7 @@ from tests.privileged.helpers import free_port, wait_until
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "kv_events"
 CAPTURES = sorted(FIXTURES.glob("vllm-*.json"))
-LAYOUT = {"0.9.2": w.Layout.V0_9, "0.11.0": w.Layout.V0_11, "0.33.0": w.Layout.V0_33}
+LAYOUT = {"0.9.2": w.Layout.V0_9, "0.11.0": w.Layout.V0_11, "0.26.0": w.Layout.V0_26, "0.33.0": w.Layout.V0_33}
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -49,8 +49,8 @@ def frames(capture: dict[str, Any], key: str = "frames") -> list[list[bytes]]:
     return [[bytes.fromhex(f) for f in msg] for msg in capture[key]]
 
 
-def test_three_releases_captured() -> None:
-    assert [load(p)["vllm_version"] for p in CAPTURES] == ["0.11.0", "0.33.0", "0.9.2"]
+def test_four_releases_captured() -> None:
+    assert [load(p)["vllm_version"] for p in CAPTURES] == ["0.11.0", "0.26.0", "0.33.0", "0.9.2"]
 
 
 @pytest.mark.parametrize("path", CAPTURES, ids=lambda p: p.stem)
@@ -72,7 +72,7 @@ def test_hand_decoded_bytes() -> None:
         cap = load(path)
         payload = frames(cap)[3][2]  # the fourth scripted batch is the reset
         rank = b"\x01"  # positive fixint 1: the publisher's data-parallel rank
-        if cap["vllm_version"] == "0.33.0":  # event as a map {"type": tag}
+        if cap["vllm_version"] in ("0.26.0", "0.33.0"):  # event as a map {"type": tag}
             expected = b"\x93\xcb" + ts + b"\x91\x81\xa4type" + tag + rank
         else:  # event as an array [tag]
             expected = b"\x93\xcb" + ts + b"\x91\x91" + tag + rank
@@ -91,7 +91,8 @@ def test_replay_frames_from_vllm(path: Path) -> None:
         seq, payload = w.parse_replay(m)
         assert payload == live[seq]
     assert w.parse_replay(replies[-1])[1] == b""
-    assert len(replies[0]) == (4 if cap["vllm_version"] == "0.33.0" else 3)  # 0.33 adds the topic frame
+    topic = cap["vllm_version"] in ("0.26.0", "0.33.0")  # these add the topic frame
+    assert len(replies[0]) == (4 if topic else 3)
 
 
 def count(batches: list[w.Batch]) -> dict[str, Any]:
