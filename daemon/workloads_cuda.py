@@ -194,6 +194,9 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
             )
             rcs = [rt.cudaMemcpyAsync(None, None, size, kind, None) for _ in range(n)]
             _say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
+        elif words[0] == "batch":
+            rcs = batch_copies(libs[0], Path(args.lib), words[1:])
+            _say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
         elif words[0] == "load":
             libs.append(ctypes.CDLL(words[1]))
             _say("loaded")
@@ -206,3 +209,53 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
             with open(words[1], "rb") as f:
                 maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
             _say("mapped")
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes / cudaMemcpyAttributes
+    _fields_ = (
+        ("src_access_order", ctypes.c_uint32),
+        ("src_type", ctypes.c_uint32),
+        ("src_id", ctypes.c_uint32),
+        ("dst_type", ctypes.c_uint32),
+        ("dst_id", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+    )
+
+
+BATCH_SYMBOLS = {
+    "runtime": "cudaMemcpyBatchAsync",
+    "driver": "cuMemcpyBatchAsync",
+    "driver_v2": "cuMemcpyBatchAsync_v2",
+}
+
+
+def batch_copies(rt: ctypes.CDLL, rt_path: Path, words: list[str]) -> list[int]:
+    """``batch API DIR N ENTRIES SIZE``: N batched copies of ENTRIES blocks each, block i of
+    SIZE + i bytes (so only a sum of the sizes array is right), between a pinned host buffer
+    (cudaHostAlloc) and device memory (cudaMalloc) — as vLLM offloads KV blocks. DIR: h2d, d2h,
+    or hint-h2d (the direction only in the location hints, pointers outside any host range)."""
+    api, direction, n, entries, size = words[0], words[1], int(words[2]), int(words[3]), int(words[4])
+    lib = rt if api == "runtime" else ctypes.CDLL(str(rt_path.with_name("libcuda.so.1")))
+    fn = getattr(lib, BATCH_SYMBOLS[api])
+    span = max(entries * (size + entries), 1 << 20)
+    host, dev = ctypes.c_void_p(), ctypes.c_void_p()
+    rt.cudaHostAlloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+    rt.cudaMalloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+    if rt.cudaHostAlloc(ctypes.byref(host), span, 0) or rt.cudaMalloc(ctypes.byref(dev), span):
+        return [-1]
+    h, d = int(host.value or 0), int(dev.value or 0)
+    attrs = _MemcpyAttributes(src_access_order=1)
+    if direction == "hint-h2d":
+        h = 0x10_0000_0000  # in no host range: only the hints can tell
+        attrs.src_type, attrs.dst_type = 2, 1  # HOST -> DEVICE
+    src_base, dst_base = (d, h) if direction == "d2h" else (h, d)
+    arr = ctypes.c_uint64 * entries
+    offsets = [i * size + i * (i - 1) // 2 for i in range(entries)]
+    srcs, dsts = arr(*(src_base + o for o in offsets)), arr(*(dst_base + o for o in offsets))
+    sizes = arr(*(size + i for i in range(entries)))
+    idx, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    rcs = []
+    for _ in range(n):
+        tail = (ctypes.byref(fail), None) if api == "driver" else (None,)
+        rcs.append(fn(dsts, srcs, sizes, ctypes.c_size_t(entries), ctypes.byref(attrs), ctypes.byref(idx), 1, *tail))
+    return rcs

@@ -8,6 +8,15 @@
  *   driver   cuMemAlloc_v2, cuMemAllocAsync, cuMemFree_v2, cuMemFreeAsync,
  *            cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap
  *   copies   cudaMemcpyAsync, cudaMemcpy (direction argument), cuMemcpy{HtoD,DtoH}{,Async}_v2
+ *   batched  cudaMemcpyBatchAsync, cuMemcpyBatchAsync (CUDA 12.8 ABI), cuMemcpyBatchAsync_v2
+ *            (13.0 ABI): vLLM's KV offload moves every block of a transfer in one such call
+ *            (through a cuGetProcAddress pointer, which is the exported symbol). Bytes are the
+ *            sum of the sizes array (read in chunks of 64, up to BATCH_MAX_ENTRIES entries:
+ *            a larger call is counted up to there and the truncation counted as lost). The
+ *            direction comes from the first copy's location hints when set, else from
+ *            where its pointers fall: in a pinned host range this process allocated or
+ *            registered (>= 1 MiB, HOST_RANGE_SLOTS per process) or not; neither known
+ *            host side -> "default" (device to device, or memory allocated before attach).
  *
  * Success-aware: the entry stores the call's arguments by thread; the return
  * counts it as ok only when the API returned 0, reads the pointer/handle the
@@ -17,7 +26,9 @@
  *
  * Cost (bench/bench_cuda.py): ~1.0 us per probed call (uprobe + uretprobe and
  * this code), ~1.7 us when the runtime call also hits a probed driver function
- * beneath it; nothing for other processes (pid= filter). PyTorch's caching
+ * beneath it; a batched copy adds the read of its sizes array (about 0.1 us per
+ * 64 entries) and up to 2 x HOST_RANGE_SLOTS map lookups; nothing for other
+ * processes (pid= filter). PyTorch's caching
  * allocator calls these only on a cache miss. The loader probes just past a
  * leading endbr64: single-stepping it would cost ~16 us per hit in a VM.
  * Caveat: UCX's memory hooks patch the entry code of some driver functions; the
@@ -49,6 +60,19 @@
 #define OP_MAP 4         /* cuMemMap: bytes mapped, no ledger */
 #define OP_UNMAP 5       /* cuMemUnmap */
 #define OP_COPY 6        /* host <-> device copy: bytes by direction (cudaMemcpyKind) */
+#define OP_BATCH_COPY 7  /* batched copies: bytes = sum of the sizes array, direction found at entry */
+
+#ifndef BATCH_MAX_ENTRIES
+#define BATCH_MAX_ENTRIES 65536
+#endif
+#define BATCH_CHUNK 64
+#define HOST_RANGE_SLOTS 64
+#define HOST_RANGE_MIN_BYTES (1ULL << 20)
+#define KIND_HOST 1       /* the loader's KINDS order: device, host, vmm */
+#define DIR_H2H 0         /* cudaMemcpyKind numbering */
+#define DIR_H2D 1
+#define DIR_D2H 2
+#define DIR_DEFAULT 4
 
 struct inflight_t {
     u64 start_ns;
@@ -82,6 +106,7 @@ struct proc_cuda_t {
     u64 seg_20m;
     u64 max_alloc;             /* largest single allocation (the KV pool, for vLLM) */
     u64 nested;                /* calls skipped because a probed call was already in flight */
+    u64 host_slot;             /* next slot of host_ranges to fill (round robin) */
 };
 BPF_HASH(proc_cuda, u32, struct proc_cuda_t, MAX_CUDA_PROCS);
 
@@ -97,6 +122,34 @@ struct ledger_val_t {
 };
 /* Preallocated: an insert on the allocation path must not allocate. */
 BPF_HASH(ledger, struct ledger_key_t, struct ledger_val_t, MAX_LEDGER);
+
+/* Pinned host ranges per process, for the direction of batched copies (whose API has no
+ * direction argument and whose location hints vLLM leaves unset). */
+struct range_key_t {
+    u32 tgid;
+    u32 slot;
+};
+struct range_t {
+    u64 start;
+    u64 end;
+};
+BPF_HASH(host_ranges, struct range_key_t, struct range_t, MAX_CUDA_PROCS * 8);
+
+struct batch_chunk_t {
+    u64 v[BATCH_CHUNK];
+};
+BPF_PERCPU_ARRAY(batch_scratch, struct batch_chunk_t, 1);
+
+/* CUmemcpyAttributes / cudaMemcpyAttributes (24 bytes): the location hints' types are
+ * CU_MEM_LOCATION_TYPE_DEVICE = 1, HOST = 2, HOST_NUMA = 3, HOST_NUMA_CURRENT = 4. */
+struct memcpy_attrs_t {
+    u32 src_access_order;
+    u32 src_type;
+    u32 src_id;
+    u32 dst_type;
+    u32 dst_id;
+    u32 flags;
+};
 
 struct cuda_event_t {
     u32 type;       /* 1 failed allocation, 2 large allocation */
@@ -119,7 +172,101 @@ static __always_inline u64 kvw_arg(struct pt_regs *ctx, int n) {
     }
 }
 
-static __always_inline int kvw_enter(struct pt_regs *ctx, u32 api, u32 hit, int ptr_arg, int size_arg) {
+/* Whole chunks summed with no branch inside (the verifier walks every iteration of the
+ * outer loop: a branch per entry would multiply what it has to explore), then the rest. */
+static __always_inline u64 kvw_batch_bytes(u64 sizes, u64 count) {
+    u32 zero = 0;
+    struct batch_chunk_t *b = batch_scratch.lookup(&zero);
+    if (!b)
+        return 0;
+    if (count > BATCH_MAX_ENTRIES) {
+        kvw_lost(KVW_LOST_BATCH_TRUNCATED);
+        count = BATCH_MAX_ENTRIES;
+    }
+    u64 whole = count / BATCH_CHUNK, total = 0;
+    for (u32 c = 0; c < BATCH_MAX_ENTRIES / BATCH_CHUNK; c++) {
+        if (c >= whole)
+            break;
+        if (bpf_probe_read_user(b->v, sizeof(b->v), (void *)(sizes + (u64)c * sizeof(b->v)))) {
+            kvw_lost(KVW_LOST_BATCH_UNREADABLE);
+            return total;
+        }
+#pragma unroll
+        for (u32 i = 0; i < BATCH_CHUNK; i++)
+            total += b->v[i];
+    }
+    u64 rest = count % BATCH_CHUNK;
+    if (rest == 0)
+        return total;
+    __builtin_memset(b->v, 0, sizeof(b->v));  /* the entries past the end add nothing */
+    if (bpf_probe_read_user(b->v, rest * sizeof(u64), (void *)(sizes + whole * sizeof(b->v)))) {
+        kvw_lost(KVW_LOST_BATCH_UNREADABLE);
+        return total;
+    }
+#pragma unroll
+    for (u32 i = 0; i < BATCH_CHUNK; i++)
+        total += b->v[i];
+    return total;
+}
+
+static __always_inline int kvw_in_host_range(u32 tgid, u64 ptr) {
+    struct range_key_t k = {};
+    k.tgid = tgid;
+    for (u32 i = 0; i < HOST_RANGE_SLOTS; i++) {
+        k.slot = i;
+        struct range_t *r = host_ranges.lookup(&k);
+        if (r && ptr >= r->start && ptr < r->end)
+            return 1;
+    }
+    return 0;
+}
+
+/* The first copy's direction: its location hints when given, else host ranges. */
+static __always_inline u64 kvw_batch_direction(u32 tgid, u64 dsts, u64 srcs, u64 attrs) {
+    struct memcpy_attrs_t a = {};
+    u64 dst = 0, src = 0;
+    if (attrs)
+        bpf_probe_read_user(&a, sizeof(a), (void *)attrs);
+    bpf_probe_read_user(&dst, sizeof(dst), (void *)dsts);
+    bpf_probe_read_user(&src, sizeof(src), (void *)srcs);
+    int src_host = a.src_type ? a.src_type >= 2 : kvw_in_host_range(tgid, src);
+    int dst_host = a.dst_type ? a.dst_type >= 2 : kvw_in_host_range(tgid, dst);
+    if (src_host && dst_host)
+        return DIR_H2H;
+    if (src_host)
+        return DIR_H2D;
+    if (dst_host)
+        return DIR_D2H;
+    return DIR_DEFAULT;
+}
+
+static __always_inline void kvw_host_range_add(u32 tgid, struct proc_cuda_t *pc, u64 ptr, u64 size) {
+    if (!ptr || size < HOST_RANGE_MIN_BYTES)
+        return;
+    struct range_key_t k = {};
+    k.tgid = tgid;
+    k.slot = __sync_fetch_and_add(&pc->host_slot, 1) % HOST_RANGE_SLOTS;
+    struct range_t r = {};
+    r.start = ptr;
+    r.end = ptr + size;
+    if (host_ranges.update(&k, &r))
+        kvw_lost(KVW_LOST_LEDGER_FULL);
+}
+
+static __always_inline void kvw_host_range_drop(u32 tgid, u64 ptr) {
+    struct range_key_t k = {};
+    k.tgid = tgid;
+    for (u32 i = 0; i < HOST_RANGE_SLOTS; i++) {
+        k.slot = i;
+        struct range_t *r = host_ranges.lookup(&k);
+        if (r && r->start == ptr) {
+            host_ranges.delete(&k);
+            return;
+        }
+    }
+}
+
+static __always_inline int kvw_enter(struct pt_regs *ctx, u32 api, u32 hit, u32 op, int ptr_arg, int size_arg) {
     kvw_hit(hit);
     u64 tid = bpf_get_current_pid_tgid();
     u64 now = bpf_ktime_get_ns();
@@ -139,8 +286,13 @@ static __always_inline int kvw_enter(struct pt_regs *ctx, u32 api, u32 hit, int 
     struct inflight_t f = {};
     f.start_ns = now;
     f.api = api;
-    f.a = kvw_arg(ctx, ptr_arg);
-    f.size = size_arg ? kvw_arg(ctx, size_arg) : 0;
+    if (op == OP_BATCH_COPY) {  /* (dsts, srcs, sizes, count, attrs, ...) */
+        f.size = kvw_batch_bytes(PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx));
+        f.a = kvw_batch_direction(tid >> 32, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM5(ctx));
+    } else {
+        f.a = kvw_arg(ctx, ptr_arg);
+        f.size = size_arg ? kvw_arg(ctx, size_arg) : 0;
+    }
     if (inflight.update(&tid, &f))
         kvw_lost(KVW_LOST_INFLIGHT_FULL);
     return 0;
@@ -179,8 +331,9 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
     struct api_key_t k = {};
     k.tgid = tgid;
     k.api = f.api;
-    if (op == OP_COPY) {
-        /* the direction: fixed by the function (its KIND), else the runtime's argument */
+    if (op == OP_COPY || op == OP_BATCH_COPY) {
+        /* the direction: fixed by the function (its KIND), else the runtime's argument (or
+         * what the batch's entry found) */
         u64 dir = kind ? kind : f.a;
         if (dir > 4)
             dir = 4;
@@ -228,6 +381,8 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
         lv.api = f.api;
         if (ptr && ledger.update(&lk, &lv))
             kvw_lost(KVW_LOST_LEDGER_FULL);
+        if (kind == KIND_HOST)
+            kvw_host_range_add(tgid, pc, ptr, f.size);
     } else if (op == OP_FREE) {
         if (now - pc->last_fail_ns < RETRY_WINDOW_NS)
             __sync_fetch_and_add(&pc->frees_after_failure, 1);
@@ -240,6 +395,8 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
         struct ledger_val_t *lv = ledger.lookup(&lk);
         if (lv) {
             __sync_fetch_and_add(&s->bytes, lv->size);
+            if (kind == KIND_HOST && lv->size >= HOST_RANGE_MIN_BYTES)
+                kvw_host_range_drop(tgid, f.a);
             ledger.delete(&lk);
         } else {
             __sync_fetch_and_add(&s->unknown, 1);
@@ -254,7 +411,7 @@ static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
  * X(name, api index, hit index, op, kind (copies: fixed direction, 0 = from the
  * "pointer" argument), pointer argument, size argument). */
 #define X(NAME, API, HIT, OP, KIND, PTR_ARG, SIZE_ARG)                                   \
-    int kvw_enter_##NAME(struct pt_regs *ctx) { return kvw_enter(ctx, API, HIT, PTR_ARG, SIZE_ARG); } \
+    int kvw_enter_##NAME(struct pt_regs *ctx) { return kvw_enter(ctx, API, HIT, OP, PTR_ARG, SIZE_ARG); } \
     int kvw_return_##NAME(struct pt_regs *ctx) { return kvw_return(ctx, OP, KIND); }
 KVW_CUDA_APIS
 #undef X

@@ -27,7 +27,7 @@ __all__ = ["ProcessGoneDuringAttach"]
 FAMILY = "cuda"
 SOURCE = PROBES_DIR / "cuda.bpf.c"
 
-OP_ALLOC_OUT, OP_REGISTER, OP_FREE, OP_MAP, OP_UNMAP, OP_COPY = 1, 2, 3, 4, 5, 6
+OP_ALLOC_OUT, OP_REGISTER, OP_FREE, OP_MAP, OP_UNMAP, OP_COPY, OP_BATCH_COPY = 1, 2, 3, 4, 5, 6, 7
 KINDS = ("device", "host", "vmm")
 # cudaMemcpyKind (the runtime's direction argument; the driver's copy functions have it in their name)
 COPY_DIRECTIONS = ("h2h", "h2d", "d2h", "d2d", "default")
@@ -57,7 +57,7 @@ class CudaApi(UprobeApi):
 
     @property
     def is_copy(self) -> bool:
-        return self.op == OP_COPY
+        return self.op in (OP_COPY, OP_BATCH_COPY)
 
 
 def _api(  # noqa: PLR0917 - one table row per call, positional on purpose
@@ -68,6 +68,11 @@ def _api(  # noqa: PLR0917 - one table row per call, positional on purpose
 
 def _copy(symbol: str, label: str, lib: str, *, size: int, direction_arg: int = 0, direction: int = 0) -> CudaApi:
     return CudaApi(label, lib, symbol, symbol, op=OP_COPY, ptr_arg=direction_arg, size_arg=size, copy_dir=direction)
+
+
+def _batch(symbol: str, label: str, lib: str) -> CudaApi:
+    """(dsts, srcs, sizes, count, attrs, ...): the entry reads the sizes and finds the direction."""
+    return CudaApi(label, lib, symbol, symbol, op=OP_BATCH_COPY)
 
 
 # The single table: its order gives the API indices passed to the C code.
@@ -96,10 +101,22 @@ CUDA_APIS: tuple[CudaApi, ...] = (
     _copy("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", "cuda", size=3, direction=2),
     _copy("cuMemcpyHtoD_v2", "cuMemcpyHtoD", "cuda", size=3, direction=1),
     _copy("cuMemcpyDtoH_v2", "cuMemcpyDtoH", "cuda", size=3, direction=2),
+    # batched copies: vLLM's KV offload (one call per transfer, through the driver)
+    _batch("cudaMemcpyBatchAsync", "cudaMemcpyBatchAsync", "cudart"),
+    _batch("cuMemcpyBatchAsync", "cuMemcpyBatchAsync", "cuda"),
+    _batch("cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync_v2", "cuda"),
 )
 API_INDEX = {a.label: i for i, a in enumerate(CUDA_APIS)}
 
-LOST_SOURCES = ("ringbuf", "stale_inflight", "inflight_full", "stats_full", "ledger_full")
+LOST_SOURCES = (
+    "ringbuf",
+    "stale_inflight",
+    "inflight_full",
+    "stats_full",
+    "ledger_full",
+    "batch_truncated",  # a batched copy of more entries than the probe reads (its bytes are short)
+    "batch_unreadable",  # a batched copy whose sizes array could not be read
+)
 _STAT_FIELDS = ("ok", "err", "bytes", "unknown")
 _PROC_FIELDS = (
     "frees_after_failure",
@@ -282,7 +299,7 @@ class CudaProbes(PerProcessUprobes):
 
     def forget_counters(self, tgid: int) -> None:
         prog = self.program
-        for name in ("api_stats", "ledger"):
+        for name in ("api_stats", "ledger", "host_ranges"):
             table = prog.table(name)
             for k in [k for k in table if k.tgid == tgid]:
                 with contextlib.suppress(KeyError):

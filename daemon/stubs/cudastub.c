@@ -91,6 +91,17 @@ int cuMemcpyDtoHAsync_v2(void *dst, uint64_t src, size_t n, void *stream) {
 }
 int cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t n) { (void)dst; (void)src; (void)n; return ok(); }
 int cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t n) { (void)dst; (void)src; (void)n; return ok(); }
+/* batched copies: the CUDA 12.8 ABI (with failIdx, what vLLM calls) and 13.0's _v2 */
+int cuMemcpyBatchAsync(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, void *attrs,
+                       size_t *attrs_idxs, size_t num_attrs, size_t *fail_idx, void *stream) {
+    (void)dsts; (void)srcs; (void)sizes; (void)count; (void)attrs; (void)attrs_idxs; (void)num_attrs;
+    (void)fail_idx; (void)stream; return ok();
+}
+int cuMemcpyBatchAsync_v2(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, void *attrs,
+                          size_t *attrs_idxs, size_t num_attrs, void *stream) {
+    (void)dsts; (void)srcs; (void)sizes; (void)count; (void)attrs; (void)attrs_idxs; (void)num_attrs;
+    (void)stream; return ok();
+}
 #else
 /* runtime: each call goes through the driver, as cudart does */
 int cuMemAlloc_v2(uint64_t *p, size_t size);
@@ -121,4 +132,11 @@ int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream
     return ok();
 }
 int cudaMemcpy(void *dst, const void *src, size_t n, int kind) { return cudaMemcpyAsync(dst, src, n, kind, 0); }
+int cuMemcpyBatchAsync_v2(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, void *attrs,
+                          size_t *attrs_idxs, size_t num_attrs, void *stream);
+int cudaMemcpyBatchAsync(void **dsts, void **srcs, size_t *sizes, size_t count, void *attrs,
+                         size_t *attrs_idxs, size_t num_attrs, void *stream) {
+    return cuMemcpyBatchAsync_v2((uint64_t *)dsts, (uint64_t *)srcs, sizes, count, attrs, attrs_idxs, num_attrs,
+                                 stream);
+}
 #endif

@@ -249,6 +249,45 @@ def test_copies_counted_by_direction_once(probes: CudaProbes, stub: Path) -> Non
         assert c.nested >= 2 * N + 6
 
 
+def batch_bytes(entries: int, size: int) -> int:
+    """What one batch of the workload moves: block i is size + i bytes."""
+    return entries * size + entries * (entries - 1) // 2
+
+
+def test_batched_copies_summed_and_directed(probes: CudaProbes, stub: Path) -> None:
+    """vLLM's KV offload path: one cuMemcpyBatchAsync per transfer, no direction argument, the
+    location hints unset. Bytes are the sum of the sizes array (every size different, across
+    several 64-entry chunks); the direction is found from the pinned host buffer the process
+    allocated; the runtime's batch calls the driver's beneath and counts once."""
+    with Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
+        w.expect("ready")
+        probes.attach(w.pid)
+        w.step(f"batch driver d2h {N} 1001 32768", f"done {N} 0")  # stores: GPU -> pinned CPU
+        w.step("batch driver h2d 7 130 32768", "done 7 0")  # loads back
+        w.step("batch driver_v2 hint-h2d 5 3 4096", "done 5 0")  # only the hints tell
+        w.step("batch runtime d2h 11 64 1024", "done 11 0")  # exactly one chunk
+        probes.poll(50)
+        assert counts(probes, w.pid, "cuMemcpyBatchAsync:d2h") == (N, 0, N * batch_bytes(1001, 32768), 0)
+        assert counts(probes, w.pid, "cuMemcpyBatchAsync:h2d") == (7, 0, 7 * batch_bytes(130, 32768), 0)
+        assert counts(probes, w.pid, "cuMemcpyBatchAsync_v2:h2d") == (5, 0, 5 * batch_bytes(3, 4096), 0)
+        assert counts(probes, w.pid, "cudaMemcpyBatchAsync:d2h") == (11, 0, 11 * batch_bytes(64, 1024), 0)
+        assert counts(probes, w.pid, "cuMemcpyBatchAsync_v2:d2h") == (0, 0, 0, 0)  # beneath the runtime's
+        c = probes.sample().processes[w.pid]
+        assert c.copy_bytes("default") == 0
+        assert probes.sample().lost["batch_truncated"] == probes.sample().lost["batch_unreadable"] == 0
+
+
+def test_batched_copy_beyond_the_read_limit_is_counted_lost(probes: CudaProbes, stub: Path) -> None:
+    with Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
+        w.expect("ready")
+        probes.attach(w.pid)
+        w.step("batch driver d2h 3 70000 16", "done 3 0")
+        probes.poll(50)
+        ok, _, nbytes, _ = counts(probes, w.pid, "cuMemcpyBatchAsync:d2h")
+        assert ok == 3 and nbytes == 3 * batch_bytes(65536, 16)  # the first 65,536 entries of each
+        assert probes.sample().lost["batch_truncated"] == 3
+
+
 def test_real_cudart_copies_fail_without_a_gpu(probes: CudaProbes) -> None:
     with Child("cudacalls", "--lib", str(real_cudart())) as w:
         w.expect("ready")
