@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.engine_sim import SimulatedEngineProcess
+from kvwatch.daemon.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.netlab import veth_pair
 from kvwatch.daemon.nixl_peer import NixlPeer

@@ -1,114 +1,106 @@
-"""A simulated vLLM engine: a prefix-cached block pool, its KV event stream and its /metrics.
+"""A simulated vLLM engine: its KV cache, its KV event stream, its /metrics and its HTTP API.
 
-For the demo, end-to-end tests and the benchmark — kvwatch's taps need an engine
-that behaves like one without a GPU. The pool is an LRU of cached blocks (as vLLM's
-free-block queue is) beside blocks held by running requests; each request looks up
-its prefix block by block (hits), stores what was missing (``BlockStored``) and
-evicts least-recently-used cached blocks to make room (``BlockRemoved``). The same
-numbers feed a prometheus-client registry with vLLM 0.33's metric names, labels and
-types (``vllm:prefix_cache_queries`` / ``hits`` in tokens, ``kv_cache_usage_perc``
-0..1, ``num_preemptions``, ``engine_sleep_state``), served over HTTP.
+For the demo, end-to-end tests, the benchmark and a dry run of the real-engine validation
+(``tests/gpu/validate_vllm.py``) — kvwatch's taps need an engine that behaves like one
+without a GPU. What the cache does, and which events it announces, follows vLLM 0.26.0
+(``engine_sim_pool``): a prefix-cached GPU block pool, and with ``cpu_blocks`` the
+OffloadingConnector's CPU tier announcing the same blocks on medium CPU. Its numbers feed
+a prometheus-client registry with vLLM 0.26.0's metric names, labels and types, served
+with the OpenAI-style routes vLLM serves (``engine_sim_http``).
 
-Events go out on a ``WirePublisher`` (vLLM's wire format, byte for byte).
+Two ways to drive it: requests over HTTP (``/v1/completions`` with token ids, run by an
+engine thread step by step: prefill, decode, preemption), or scripted steps from the
+tests and the demo (``step``, ``set_active``, ``evict``, ``reset``, ...), each a batch of
+requests admitted and finished at once. Events go out on a ``WirePublisher`` (vLLM's wire
+format, byte for byte), one batch per step.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from kvwatch.daemon.kv_wire import Layout, cleared, removed, stored
+from kvwatch.daemon.engine_sim_http import Server
+from kvwatch.daemon.engine_sim_pool import BLOCK, BlockPool, CpuTier, PoolStats, Scheduler, SimRequest
+from kvwatch.daemon.kv_wire import Layout
 from kvwatch.daemon.vllm_publisher import WirePublisher
-from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-BLOCK = 16  # tokens per block
 LABELS = ("model_name", "engine")
+BLOCK_BYTES = 16 * 2 * 8 * 64 * 2 * 16  # 16 tokens x K,V x 8 heads x 64 dims x bf16 x 16 layers: 512 KiB
 
 
-@dataclass(slots=True)
-class PoolStats:
-    queries: int = 0  # tokens looked up
-    hits: int = 0
-    stored: int = 0  # blocks
-    removed: int = 0
-    preemptions: int = 0
+class _Metrics:
+    """vLLM 0.26.0's names for what kvwatch reads; counters follow the pool's statistics."""
 
+    def __init__(self, model: str) -> None:
+        r = self.registry = CollectorRegistry()
+        lv = (model, "0")
 
-@dataclass(slots=True)
-class BlockPool:
-    """Prefix cache over ``capacity`` blocks; ``active`` of them are held by running requests."""
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=r).labels(*lv)
 
-    capacity: int
-    active: int = 0
-    cached: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> stored at (LRU order)
-    stats: PoolStats = field(default_factory=PoolStats)
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, LABELS, registry=r).labels(*lv)
 
-    @property
-    def usage(self) -> float:
-        return self.active / self.capacity
+        self.usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.counters: dict[str, Any] = {
+            "queries": counter(
+                "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+            ),
+            "hits": counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+            "ext_queries": counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, in tokens.",
+            ),
+            "ext_hits": counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in tokens.",
+            ),
+            "preemptions": counter("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+            "store_bytes": counter("vllm:kv_offload_store_bytes", "Number of bytes stored by KV offloading"),
+            "load_bytes": counter("vllm:kv_offload_load_bytes", "Number of bytes loaded by KV offloading"),
+        }
+        by_type = Counter(
+            "vllm:kv_offload_total_bytes", "Total bytes transferred", [*LABELS, "transfer_type"], registry=r
+        )
+        self.by_type = {
+            "store_bytes": by_type.labels(*lv, "GPU_to_CPU"),
+            "load_bytes": by_type.labels(*lv, "CPU_to_GPU"),
+        }
+        sleep = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            [*LABELS, "sleep_state"],
+            registry=r,
+        )
+        self.sleep = {s: sleep.labels(*lv, s) for s in ("awake", "weights_offloaded", "discard_all")}
+        self.seen = PoolStats()
 
-    def request(self, prefix: int, blocks: int, now: float) -> list[dict[str, Any]]:
-        """One prompt of ``blocks`` blocks whose content is named by ``prefix``."""
-        events: list[dict[str, Any]] = []
-        self.stats.queries += blocks * BLOCK
-        hashes = [hash((prefix, i)) & 0xFFFFFFFFFFFFFFFF for i in range(blocks)]
-        hit = 0
-        for h in hashes:
-            if h not in self.cached:
-                break
-            self.cached.move_to_end(h)
-            hit += 1
-        self.stats.hits += hit * BLOCK
-        new = hashes[hit:]
-        if new:
-            events += self._make_room(len(new))
-            for h in new:
-                self.cached[h] = now
-            events.append(stored(new, list(range(len(new) * BLOCK))))
-            self.stats.stored += len(new)
-        return events
+    def sync(self, st: PoolStats, usage: float, running: int, waiting: int) -> None:
+        for name, c in self.counters.items():
+            delta = getattr(st, name) - getattr(self.seen, name)
+            if delta:
+                c.inc(delta)
+                if name in self.by_type:
+                    self.by_type[name].inc(delta)
+        self.seen = PoolStats(**asdict(st))
+        self.usage.set(usage)
+        self.running.set(running)
+        self.waiting.set(waiting)
 
-    def _make_room(self, n: int) -> list[dict[str, Any]]:
-        room = self.capacity - self.active - len(self.cached)
-        victims = []
-        while room < n and self.cached:
-            h, _ = self.cached.popitem(last=False)
-            victims.append(h)
-            room += 1
-        self.stats.removed += len(victims)
-        return [removed(victims)] if victims else []
-
-    def set_active(self, blocks: int) -> list[dict[str, Any]]:
-        """Running requests now hold ``blocks`` blocks; cached ones give way (evicted)."""
-        self.active = max(0, min(blocks, self.capacity))
-        return self._make_room(0)
-
-    def evict(self, n: int) -> list[dict[str, Any]]:
-        """Remove ``n`` cached blocks though there is room (a policy bug, pollution)."""
-        victims = [self.cached.popitem(last=False)[0] for _ in range(min(n, len(self.cached)))]
-        self.stats.removed += len(victims)
-        return [removed(victims)] if victims else []
-
-    def reset(self) -> list[dict[str, Any]]:
-        """vLLM's reset_prefix_cache(): every hash dropped, one AllBlocksCleared."""
-        self.cached.clear()
-        return [cleared()]
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        return None
+    def set_sleep(self, level: int | None) -> None:
+        self.sleep["awake"].set(0 if level else 1)
+        self.sleep["weights_offloaded"].set(1 if level == 1 else 0)
+        self.sleep["discard_all"].set(1 if level == 2 else 0)
 
 
 class SimulatedVllm:
-    """The engine: a pool, a publisher and a /metrics server on loopback."""
+    """The engine: a pool (and CPU tier), a publisher, an engine thread and an HTTP server."""
 
     def __init__(
         self,
@@ -118,100 +110,146 @@ class SimulatedVllm:
         http_host: str = "127.0.0.1",
         http_port: int = 0,
         capacity: int = 4000,
-        layout: Layout = Layout.V0_33,
+        layout: Layout = Layout.V0_26,
         model: str = "demo-model",
+        topic: str = "",
+        cpu_blocks: int = 0,
+        max_num_seqs: int = 256,
+        dev_mode: bool = False,
+        step_seconds: float = 0.005,
     ) -> None:
+        self.model = model
+        self.dev_mode = dev_mode
+        self.step_seconds = step_seconds
         self.pool = BlockPool(capacity)
-        self.publisher = WirePublisher(kv_endpoint, replay_endpoint, layout=layout)
-        self.registry = CollectorRegistry()
-        lv = (model, "0")
-        r = self.registry
-        self._usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", LABELS, registry=r
-        ).labels(*lv)
-        self._queries = Counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            LABELS,
-            registry=r,
-        ).labels(*lv)
-        self._hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", LABELS, registry=r
-        ).labels(*lv)
-        self._preempt = Counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", LABELS, registry=r
-        ).labels(*lv)
-        self._running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", LABELS, registry=r
-        ).labels(*lv)
-        self._waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", LABELS, registry=r
-        ).labels(*lv)
-        sleep = Gauge(
-            "vllm:engine_sleep_state",
-            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
-            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
-            [*LABELS, "sleep_state"],
-            registry=r,
-        )
-        self._sleep = {s: sleep.labels(*lv, s) for s in ("awake", "weights_offloaded", "discard_all")}
-        self.set_sleep(None)
-        self._seen = PoolStats()
+        self.cpu = CpuTier(cpu_blocks, BLOCK_BYTES) if cpu_blocks > 0 else None
+        self.scheduler = Scheduler(self.pool, self.cpu, max_num_seqs)
+        self.publisher = WirePublisher(kv_endpoint, replay_endpoint, layout=layout, topic=topic)
+        self.metrics = _Metrics(model)
+        self.metrics.set_sleep(None)
+        self._sleep_level: int | None = None
         self._lock = threading.RLock()
-        self._server: WSGIServer = make_server(
-            http_host, http_port, make_wsgi_app(self.registry), handler_class=_QuietHandler
-        )
-        self._http = threading.Thread(target=self._server.serve_forever, name="sim-vllm-http", daemon=True)
-        self._http.start()
+        self._work = threading.Condition(self._lock)
+        self._waiters: dict[int, threading.Event] = {}
+        self._stop = threading.Event()
+        self._engine = threading.Thread(target=self._engine_loop, name="sim-vllm-engine", daemon=True)
+        self._engine.start()
+        self._server = Server(self, http_host, http_port)
 
     @property
     def http_port(self) -> int:
-        return int(self._server.server_port)
+        return self._server.port
 
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metrics"
 
-    def set_sleep(self, level: int | None) -> None:
-        self._sleep["awake"].set(0 if level else 1)
-        self._sleep["weights_offloaded"].set(1 if level == 1 else 0)
-        self._sleep["discard_all"].set(1 if level == 2 else 0)
+    def metrics_text(self) -> bytes:
+        with self._lock:
+            self._sync_metrics()
+        return generate_latest(self.metrics.registry)
 
     def emit(self, events: list[dict[str, Any]]) -> None:
-        """One engine step's events as one batch (vLLM publishes per scheduler step)."""
+        """One engine step's events as one batch (vLLM publishes once per scheduler step)."""
         if events:
             self.publisher.publish(events)
         self._sync_metrics()
 
     def _sync_metrics(self) -> None:
-        with self._lock:
-            st = self.pool.stats
-            self._queries.inc(st.queries - self._seen.queries)
-            self._hits.inc(st.hits - self._seen.hits)
-            self._preempt.inc(st.preemptions - self._seen.preemptions)
-            self._seen = PoolStats(st.queries, st.hits, st.stored, st.removed, st.preemptions)
-            self._usage.set(self.pool.usage)
-            self._running.set(self.pool.active // 64)
+        s = self.scheduler
+        self.metrics.sync(self.pool.stats, self.pool.usage, len(s.running), len(s.waiting))
 
-    def step(self, prefixes: list[int], blocks: int) -> None:
+    # --- requests over HTTP -----------------------------------------------------------------
+    def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any] | None:
         with self._lock:
-            now = time.time()
-            events: list[dict[str, Any]] = []
+            req = self.scheduler.new_request(prompt, max_tokens)
+            done = self._waiters[req.rid] = threading.Event()
+            self.scheduler.waiting.append(req)
+            self._work.notify()
+        done.wait()
+        with self._lock:
+            self._waiters.pop(req.rid, None)
+        if not req.finished:
+            return None
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": req.generated,
+            "total_tokens": len(prompt) + req.generated,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+        }
+        return {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage}
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._stop.is_set() and (self._sleep_level or not self.scheduler.has_requests()):
+                    self._work.wait(0.1)
+                events, done = self.scheduler.step()
+                self.emit(events)
+                for r in done:
+                    self._release(r)
+            self._stop.wait(self.step_seconds)
+
+    def _release(self, r: SimRequest) -> None:
+        w = self._waiters.get(r.rid)
+        if w is not None:
+            w.set()
+
+    # --- dev-mode routes --------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        with self._lock:
+            return self.scheduler.reset()
+
+    def sleep(self, level: int) -> None:
+        """vLLM: abort what runs, reset the prefix caches (the CPU tier silently) for level >= 1."""
+        with self._lock:
+            for r in self.scheduler.abort_all():
+                self._release(r)
+            if level >= 1:
+                self.scheduler.reset()
+                if self.cpu is not None:
+                    self.cpu.lru.clear()
+            self.set_sleep(level)
+
+    def wake_up(self) -> None:
+        with self._lock:
+            self.set_sleep(None)
+            self._work.notify()
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    def set_sleep(self, level: int | None) -> None:
+        self._sleep_level = level or None
+        self.metrics.set_sleep(level)
+
+    # --- scripted steps (tests, demo, doctor) ------------------------------------------------------
+    def step(self, prefixes: list[int], blocks: int) -> None:
+        """Requests of ``blocks`` full blocks (plus the token vLLM always computes), each named by
+        its prefix: the same prefix is the same tokens, hence the same block hashes."""
+        with self._lock:
+            events: list[dict[str, Any]] = list(self.scheduler.queued)
+            self.scheduler.queued = []
             for p in prefixes:
-                events += self.pool.request(p, blocks, now)
+                events += self.scheduler.run_now(_tokens(p, blocks))
             self.emit(events)
 
     def set_active(self, blocks: int) -> None:
         with self._lock:
-            self.emit(self.pool.set_active(blocks))
+            events: list[dict[str, Any]] = []
+            self.pool.set_ballast(blocks, events)
+            self.emit(events)
 
     def evict(self, n: int) -> None:
         with self._lock:
-            self.emit(self.pool.evict(n))
+            events: list[dict[str, Any]] = []
+            self.pool.evict(n, events)
+            self.emit(events)
 
     def reset(self) -> None:
         with self._lock:
-            self.emit(self.pool.reset())
+            self.scheduler.reset()
+            self._sync_metrics()
 
     def preempt(self, n: int) -> None:
         with self._lock:
@@ -219,218 +257,16 @@ class SimulatedVllm:
             self._sync_metrics()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._stop.set()
+        with self._lock:
+            for r in self.scheduler.abort_all():
+                self._release(r)
+            self._work.notify_all()
+        self._engine.join(timeout=5)
+        self._server.close()
         self.publisher.close()
 
 
-@dataclass(slots=True)
-class Traffic:
-    """Requests per second, drawn from ``hot`` prefixes, or unique prompts when ``unique``."""
-
-    rate: float = 20.0
-    hot: int = 20
-    blocks: int = 8
-    unique: bool = False
-    _n: int = 0
-
-    def prefixes(self, k: int) -> list[int]:
-        out = []
-        for _ in range(k):
-            self._n += 1
-            out.append(10_000_000 + self._n if self.unique else self._n % self.hot)
-        return out
-
-
-@contextmanager
-def running(sim: SimulatedVllm, traffic: Traffic, *, hz: float = 20.0) -> Iterator[threading.Event]:
-    """Drive ``traffic`` into ``sim`` on a thread until the block exits (the Event stops it early)."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        carry = 0.0
-        while not stop.wait(1.0 / hz):
-            carry += traffic.rate / hz
-            k, carry = int(carry), carry - int(carry)
-            sim.step(traffic.prefixes(k), traffic.blocks)
-
-    t = threading.Thread(target=loop, name="sim-vllm-traffic", daemon=True)
-    t.start()
-    try:
-        yield stop
-    finally:
-        stop.set()
-        t.join(timeout=5)
-
-
-# --- a stand-in for `vllm serve`, driven line by line on stdin -----------------------------------
-USAGE = """commands (one per line; each answered with "ok <command>"):
-  traffic RATE HOT BLOCKS UNIQUE   requests/s from HOT prefixes of BLOCKS blocks (UNIQUE 1: new prompts)
-  active N      running requests hold N blocks      evict N   drop N cached blocks (policy bug)
-  reset         prefix-cache reset                   preempt N
-  sleep LEVEL   sleep mode 1/2 (0: awake)            lose N / forget N   batches off the wire
-  garbage       one malformed message               stats     pool counters as JSON
-  quit"""
-
-
-def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[float]], object]]:
-    def set_traffic(n: list[float]) -> None:
-        traffic.rate, traffic.hot, traffic.blocks, traffic.unique = n[0], int(n[1]), int(n[2]), bool(n[3])
-
-    pub = sim.publisher
-    return {
-        "traffic": set_traffic,
-        "active": lambda n: sim.set_active(int(n[0])),
-        "evict": lambda n: sim.evict(int(n[0])),
-        "reset": lambda n: sim.reset(),
-        "preempt": lambda n: sim.preempt(int(n[0])),
-        "sleep": lambda n: sim.set_sleep(int(n[0]) or None),
-        "lose": lambda n: pub.lose(int(n[0])),
-        "forget": lambda n: pub.forget(int(n[0])),
-        "garbage": lambda n: pub.publish_raw(b"\xc1 not msgpack"),
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse  # noqa: PLC0415 - only the stand-in needs them
-    import json  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    ap = argparse.ArgumentParser(prog="vllm", description="simulated vLLM engine (kvwatch tests and demo)")
-    ap.add_argument("command", choices=["serve"])
-    ap.add_argument("model")
-    ap.add_argument("--host", default="0.0.0.0")  # noqa: S104 - vLLM's default: every interface
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--kv-events-config", default="{}")
-    ap.add_argument("--capacity", type=int, default=4000)
-    ap.add_argument("--layout", default=Layout.V0_33.value, choices=[x.value for x in Layout])
-    args = ap.parse_args(argv)
-    kv = json.loads(args.kv_events_config)
-
-    sim = SimulatedVllm(
-        kv_endpoint=kv.get("endpoint", "tcp://*:5557"),
-        replay_endpoint=kv.get("replay_endpoint"),
-        http_host=args.host,
-        http_port=args.port,
-        capacity=args.capacity,
-        layout=Layout(args.layout),
-        model=args.model,
-    )
-    traffic = Traffic(rate=0.0)
-    commands = _commands(sim, traffic)
-    print("ready", flush=True)
-    with running(sim, traffic):
-        for line in sys.stdin:
-            words = line.split()
-            if not words:
-                continue
-            cmd, nums = words[0], [float(w) for w in words[1:] if _number(w)]
-            if cmd == "quit":
-                break
-            if cmd == "stats":
-                st = sim.pool.stats
-                print(json.dumps({**asdict(st), "batches": sim.publisher.sent}), flush=True)
-                continue
-            handler = commands.get(cmd)
-            if handler is None:
-                print(f"unknown {cmd}\n{USAGE}", flush=True)
-                continue
-            handler(nums)
-            sim.publisher.flush()
-            print(f"ok {cmd}", flush=True)
-    sim.close()
-
-
-def _number(w: str) -> bool:
-    try:
-        float(w)
-    except ValueError:
-        return False
-    return True
-
-
-if __name__ == "__main__":
-    main()
-
-
-class SimulatedEngineProcess:
-    """The stand-in run the way pip installs vLLM: a console script named ``vllm`` executed
-    through its shebang, so /proc shows "/path/python /dir/vllm serve MODEL ..." as for the real
-    engine (and kvwatch's discovery and command-line parsing see what they would see)."""
-
-    def __init__(
-        self,
-        workdir: Path,
-        *,
-        http_port: int,
-        kv_events: Mapping[str, Any] | None,
-        capacity: int = 4000,
-        layout: Layout = Layout.V0_33,
-        netns: str | None = None,
-        extra: Sequence[str] = (),
-    ) -> None:
-        import json  # noqa: PLC0415
-        import subprocess  # noqa: PLC0415
-        import sys  # noqa: PLC0415
-
-        workdir.mkdir(parents=True, exist_ok=True)
-        script = workdir / "vllm"
-        script.write_text(f"#!{sys.executable}\nfrom kvwatch.daemon.engine_sim import main\n\nmain()\n")
-        script.chmod(0o755)
-        argv = [str(script), "serve", "demo-model", "--port", str(http_port), "--capacity", str(capacity)]
-        argv += ["--layout", layout.value, *extra]
-        if kv_events is not None:
-            argv += ["--kv-events-config", json.dumps(dict(kv_events))]
-        if netns is not None:
-            argv = ["ip", "netns", "exec", netns, *argv]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if self.proc.stdin is None or self.proc.stdout is None:
-            raise RuntimeError("simulated engine pipes missing")
-        self._in, self._out = self.proc.stdin, self.proc.stdout
-        self._expect("ready")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _expect(self, word: str, timeout: float = 30.0) -> str:
-        timer = threading.Timer(timeout, self.proc.kill)
-        timer.start()
-        try:
-            line = self._out.readline().strip()
-        finally:
-            timer.cancel()
-        if line != word:
-            raise RuntimeError(f"simulated engine {self.pid}: expected {word!r}, got {line!r}")
-        return line
-
-    def do(self, line: str) -> None:
-        self._in.write(line + "\n")
-        self._in.flush()
-        self._expect(f"ok {line.split(maxsplit=1)[0]}")
-
-    def stats(self) -> dict[str, int]:
-        import json  # noqa: PLC0415
-
-        self._in.write("stats\n")
-        self._in.flush()
-        out: dict[str, int] = json.loads(self._out.readline())
-        return out
-
-    def close(self) -> None:
-        import contextlib  # noqa: PLC0415
-
-        with contextlib.suppress(OSError, ValueError):
-            self._in.write("quit\n")
-            self._in.flush()
-        try:
-            self.proc.wait(10)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> SimulatedEngineProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _tokens(prefix: int, blocks: int) -> list[int]:
+    base = (prefix * 1_000_003) % 30_000
+    return [3 + (base + i) % 31_997 for i in range(blocks * BLOCK + 1)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvwatch.daemon.engine_sim import SimulatedEngineProcess
+from kvwatch.daemon.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.netlab import pod_netns
 
 from tests.integration.test_engine_daemon import CONFIG, kv_config, quiesce
