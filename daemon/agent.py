@@ -135,7 +135,7 @@ class Agent:
         self.nvml = nvml
         self.wall = wall
         nvml_pids = nvml.pids if nvml is not None else None
-        self.discovery = Discovery(config.discovery, self.procfs, nvml_pids)
+        self.discovery = Discovery(config.discovery, self.procfs, nvml_pids, config.engines.endpoints)
         self.tracker = ProcessTracker(
             self.discovery,
             self.procfs,

@@ -164,6 +164,7 @@ class EngineEndpoint(_Section):
     kv_events_topic: str = ""
     data_parallel_ranks: Annotated[int, Field(ge=1, le=256)] = 1  # streams on kv_events port + 0..N-1
     metrics_url: str | None = None
+    engine: Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_.-]+$")] = "unknown"  # label
 
     @model_validator(mode="after")
     def _complete(self) -> EngineEndpoint:
@@ -194,7 +195,7 @@ class EnginesConfig(_Section):
     kv_events_replay: bool = True
     metrics: bool = True
     from_cmdline: bool = True
-    scrape_interval_seconds: Annotated[float, Field(ge=0.5)] = 5.0
+    scrape_interval_seconds: Annotated[float, Field(ge=0.5)] = 2.0  # KVEvictionBurst's hit ratio lags by this
     scrape_timeout_seconds: PositiveFloat = 2.0
     replay_timeout_seconds: PositiveFloat = 2.0
     thrash_seconds: PositiveFloat = 10.0
@@ -227,6 +228,7 @@ class ReuseCollapseConfig(DetectorCommon):
     require_kv_pool: bool = True
     kv_pool_fraction: Annotated[float, Field(gt=0, le=1)] = 0.10
     baseline_min_seconds: NonNegFloat = 30.0
+    quiet_after_sleep_seconds: NonNegFloat = 30.0  # engine sleep mode: the wake-up remap is not learnt
 
 
 class TransferCollapseConfig(DetectorCommon):

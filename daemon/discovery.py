@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.cgroups import CgroupIdentity, parse_cgroup
-from kvwatch.daemon.config import DiscoveryConfig, EngineRule
+from kvwatch.daemon.config import DiscoveryConfig, EngineEndpoint, EngineRule
 from kvwatch.daemon.procfs import (
     ProcAccessDenied,
     ProcError,
@@ -121,6 +121,7 @@ class DiscoveredProcess:
     cgroup: CgroupIdentity
     environ: dict[str, str] = field(default_factory=dict)
     parent: ProcessIdentity | None = None
+    ppid: int = 0  # the parent's PID when it was read (an engine's processes descend from its server)
 
     @property
     def pid(self) -> int:
@@ -152,6 +153,14 @@ def component_of(comm: str, cmdline: str) -> str:
     return ""
 
 
+def endpoint_targets(endpoints: Iterable[EngineEndpoint]) -> tuple[list[int], list[EngineRule]]:
+    """``[[engines.endpoints]]`` name processes to tap: watch them even when no engine rule
+    matches (their PIDs as if given with --pid, their command-line patterns as rules)."""
+    pids = [ep.pid for ep in endpoints if ep.pid is not None]
+    rules = [EngineRule(engine=ep.engine, cmdline=ep.cmdline) for ep in endpoints if ep.cmdline is not None]
+    return pids, rules
+
+
 class Discovery:
     """Stateless scanner: given /proc, config and optional NVML PIDs, which processes to watch."""
 
@@ -160,12 +169,16 @@ class Discovery:
         config: DiscoveryConfig,
         procfs: ProcFS,
         nvml_pids: Callable[[], Sequence[int]] | None = None,
+        endpoints: Sequence[EngineEndpoint] = (),
     ) -> None:
         self.config = config
         self.procfs = procfs
+        self.manual, extra_rules = endpoint_targets(endpoints)
+        self.manual += config.pids
         rules = list(config.rules)
         if config.default_rules:
             rules += DEFAULT_RULES
+        rules += extra_rules  # last: an engine's own rule names it better than a bare pattern
         self.rules = compile_rules(rules)
         self.nvml_pids = nvml_pids
         self.stats = ScanStats()
@@ -210,6 +223,7 @@ class Discovery:
             cgroup=cg,
             environ=env,
             parent=parent.identity if parent else None,
+            ppid=info.ppid,
         )
 
     def _classify(self, pid: int, manual: set[int], gpu: set[int]) -> DiscoveredProcess | None:
@@ -236,12 +250,12 @@ class Discovery:
 
     def examine(self, pid: int) -> DiscoveredProcess | None:
         """One PID (an exec or rename hint): a record if it matches a rule or was asked for."""
-        return self._classify(pid, set(self.config.pids), set())
+        return self._classify(pid, set(self.manual), set())
 
     def scan(self) -> list[DiscoveredProcess]:
         """Every process to watch right now (children are added by the caller, from the kernel)."""
         self.stats = ScanStats()
-        manual = set(self.config.pids)
+        manual = set(self.manual)
         gpu: set[int] = set()
         if self.nvml_pids is not None:
             try:

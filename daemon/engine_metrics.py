@@ -5,8 +5,9 @@ too). Names per engine (engines.md; read off vLLM 0.9.2 / 0.11.0 / 0.33.0, SGLan
 0.5.23, LMCache 0.5.6 sources); where a release exports an old and a new name for
 the same thing, the first one present in each list below is used, never both.
 
-Not re-exported: only ``EngineSample``'s fields reach detectors, plus a few derived
-gauges (usage, hit ratio) on kvwatch's own /metrics.
+Re-exported on kvwatch's /metrics, as the last scrape read them: the numbers its alerts
+join with (KV usage, prefix-cache queries and hits per medium, preemptions, sleep, the
+engine's own offload byte counts beside the copy probes'); nothing else of the engine's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 EVICTED_TOKENS = ("sglang:evicted_tokens_total",)
 IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 SLEEP_STATE = "vllm:engine_sleep_state"
+EXTERNAL_QUERIES = ("vllm:external_prefix_cache_queries_total",)  # tokens asked of a KV connector (CPU tier)
+EXTERNAL_HITS = ("vllm:external_prefix_cache_hits_total",)
+OFFLOAD_STORE_BYTES = ("vllm:kv_offload_store_bytes_total",)  # OffloadingConnector: GPU -> CPU
+OFFLOAD_LOAD_BYTES = ("vllm:kv_offload_load_bytes_total",)  # CPU -> GPU
+OFFLOAD_BY_TYPE = "vllm:kv_offload_total_bytes_total"  # the same, by transfer_type (older name, kept in 0.26)
 LMCACHE_EVICTED_KEYS = ("lmcache:local_cpu_evict_keys_count_total",)
 LMCACHE_HIT_TOKENS = ("lmcache:num_hit_tokens_total",)
 LMCACHE_REQUESTED_TOKENS = ("lmcache:num_requested_tokens_total",)
@@ -64,6 +70,10 @@ class EngineSample:
     lmcache_evicted_keys: float | None = None
     lmcache_hit_tokens: float | None = None
     lmcache_requested_tokens: float | None = None
+    external_queries: float | None = None  # vLLM: tokens looked up in a KV connector's tier (CPU offload)
+    external_hits: float | None = None
+    offload_store_bytes: float | None = None  # vLLM OffloadingConnector: bytes copied GPU -> CPU
+    offload_load_bytes: float | None = None  # ... CPU -> GPU
     families: int = 0
 
     def counters(self) -> dict[str, float]:
@@ -78,6 +88,10 @@ class EngineSample:
             "lmcache_evicted_keys": self.lmcache_evicted_keys,
             "lmcache_hit_tokens": self.lmcache_hit_tokens,
             "lmcache_requested_tokens": self.lmcache_requested_tokens,
+            "engine_external_prefix_queries": self.external_queries,
+            "engine_external_prefix_hits": self.external_hits,
+            "engine_offload_store_bytes": self.offload_store_bytes,
+            "engine_offload_load_bytes": self.offload_load_bytes,
         }
         return {k: v for k, v in names.items() if v is not None}
 
@@ -94,6 +108,7 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
     awake: list[float] = []
     buckets: list[tuple[float, float]] = []
     idle_count: float | None = None
+    by_type: dict[str, float] = {}  # offload bytes under the older, labelled name
     families = 0
     for fam in text_string_to_metric_families(text):
         families += 1
@@ -104,6 +119,12 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
             if name == SLEEP_STATE:
                 if s.labels.get("sleep_state") == "awake":
                     awake.append(s.value)
+                continue
+            if name == OFFLOAD_BY_TYPE:
+                name = {"GPU_to_CPU": OFFLOAD_STORE_BYTES[0], "CPU_to_GPU": OFFLOAD_LOAD_BYTES[0]}.get(
+                    s.labels.get("transfer_type", ""), name
+                )
+                by_type[name] = by_type.get(name, 0.0) + s.value
                 continue
             if name.startswith(IDLE_BEFORE_EVICT):
                 if name.endswith("_bucket"):
@@ -139,6 +160,10 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
         lmcache_evicted_keys=first(LMCACHE_EVICTED_KEYS, sums),
         lmcache_hit_tokens=first(LMCACHE_HIT_TOKENS, sums),
         lmcache_requested_tokens=first(LMCACHE_REQUESTED_TOKENS, sums),
+        external_queries=first(EXTERNAL_QUERIES, sums),
+        external_hits=first(EXTERNAL_HITS, sums),
+        offload_store_bytes=first(OFFLOAD_STORE_BYTES, {**by_type, **sums}),  # the flat name when both
+        offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
         families=families,
     )
 

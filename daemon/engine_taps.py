@@ -45,6 +45,7 @@ SGLANG_PORT = 30000
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}  # noqa: S104 - names of "all interfaces", matched not bound
 _LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|localhost|::1|\[::1\])$")
 REPLAN_SECONDS = 30.0
+MAX_FAMILY_DEPTH = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,14 +260,24 @@ def _sglang_plan(
     return EnginePlan(t.key, t.pid, (), url, tuple(notes))
 
 
+def carries_vllm_kv_events(flags: Mapping[str, str]) -> bool:
+    return any(f == "--kv-events-config" or f.startswith("--kv-events-config.") for f in flags)
+
+
 def plan_from_cmdline(t: Tracked, argv: Sequence[str], cfg: EnginesConfig, reach: Reach) -> EnginePlan | None:
-    """The taps of an engine's root process (vLLM API server, SGLang server); None for the rest."""
+    """The taps of an engine's root process (vLLM API server, SGLang server), and of any watched
+    process whose command line carries vLLM's ``--kv-events-config`` (a wrapper that launches
+    vLLM with vLLM's own argument parser; its /metrics only when it names a ``--port``, or is
+    vLLM); None for the rest."""
     engine, component = t.proc.labels.engine, t.proc.labels.component
     flags = flag_values(argv[1:])
     if engine == "vllm" and component == "api_server":
         plan = _vllm_plan(t, flags, cfg, reach, [])
     elif engine == "sglang" and component == "server":
         plan = _sglang_plan(t, flags, cfg, reach, [])
+    elif carries_vllm_kv_events(flags):
+        metrics = engine == "vllm" or "--port" in flags
+        plan = _vllm_plan(t, flags, cfg if metrics else cfg.model_copy(update={"metrics": False}), reach, [])
     else:
         return None
     if not plan.streams and plan.metrics_url is None and not plan.notes:
@@ -426,42 +437,68 @@ class EngineTaps:
                 return st
         return None
 
+    def family_owner(self, t: Tracked, by_pid: Mapping[int, Tracked]) -> str | None:
+        """The tapped process this one belongs to: itself, or its nearest watched ancestor with
+        taps (a vLLM engine core and its workers descend from the API server)."""
+        cur: Tracked | None = t
+        for _ in range(MAX_FAMILY_DEPTH):
+            if cur is None:
+                return None
+            p = self._planned.get(cur.key)
+            if p is not None and p.plan is not None:
+                return cur.key
+            parent = by_pid.get(cur.proc.ppid)
+            cur = parent if parent is not None and parent.first_seen <= cur.first_seen else None
+        return None
+
     def add_series(self, tracked: Iterable[Tracked], now: float) -> None:
+        tracked = list(tracked)
+        by_pid = {t.pid: t for t in tracked if t.exited_at is None}
+        sleeping: dict[str, float] = {}
         for t in tracked:
-            p = self._planned.get(t.key)
-            if p is None or p.plan is None:
-                continue
-            streams = self._streams_of(t.key)
-            gauges: dict[str, float] = {}
-            if streams:
-                values: dict[str, float] = {
-                    "kv_cleared": float(sum(s.cleared for s in streams)),
-                    "kv_batches_lost": float(sum(s.lost for s in streams)),
-                    "kv_batches": float(sum(s.batches for s in streams)),
-                }
-                for s in streams:
-                    for medium, m in s.media.items():
-                        for name, v in (
-                            (f"kv_stored_blocks:{medium}", m.stored),
-                            (f"kv_removed_blocks:{medium}", m.removed),
-                            (f"kv_removed_young:{medium}", m.removed_young),
-                        ):
-                            values[name] = values.get(name, 0.0) + v
-                t.series.add(now, values)
-                gauges["kv_events_connected"] = float(any(s.connected for s in streams))
-            st = self._scrape_of(t.key)
-            sample = st.last if st is not None else None
-            if sample is not None:
-                if sample.at > p.sample_at:
-                    p.sample_at = sample.at
-                    t.series.add(sample.at, sample.counters())
-                fresh = now - sample.at <= 3 * self.config.scrape_interval_seconds
-                gauges["engine_metrics_fresh"] = float(fresh)
-                if sample.usage is not None and fresh:
-                    gauges["engine_kv_usage"] = sample.usage
-                gauges["engine_sleeping"] = float(bool(sample.sleeping) and fresh)
-            if gauges:
-                t.series.set_gauges(gauges)
+            sleeping.update(self._add_owner_series(t, now))
+        for t in tracked:  # the engine's other processes learn what their server says of it
+            owner = self.family_owner(t, by_pid)
+            if owner is not None:
+                t.series.set_gauges({"engine_family_tapped": 1.0, "engine_sleeping": sleeping.get(owner, 0.0)})
+
+    def _add_owner_series(self, t: Tracked, now: float) -> dict[str, float]:
+        """A tapped process's own series; returns {its key: sleeping} when it has a scrape."""
+        p = self._planned.get(t.key)
+        if p is None or p.plan is None:
+            return {}
+        streams = self._streams_of(t.key)
+        gauges: dict[str, float] = {}
+        if streams:
+            values: dict[str, float] = {
+                "kv_cleared": float(sum(s.cleared for s in streams)),
+                "kv_batches_lost": float(sum(s.lost for s in streams)),
+                "kv_batches": float(sum(s.batches for s in streams)),
+            }
+            for s in streams:
+                for medium, m in s.media.items():
+                    for name, v in (
+                        (f"kv_stored_blocks:{medium}", m.stored),
+                        (f"kv_removed_blocks:{medium}", m.removed),
+                        (f"kv_removed_young:{medium}", m.removed_young),
+                    ):
+                        values[name] = values.get(name, 0.0) + v
+            t.series.add(now, values)
+            gauges["kv_events_connected"] = float(any(s.connected for s in streams))
+        st = self._scrape_of(t.key)
+        sample = st.last if st is not None else None
+        if sample is not None:
+            if sample.at > p.sample_at:
+                p.sample_at = sample.at
+                t.series.add(sample.at, sample.counters())
+            fresh = now - sample.at <= 3 * self.config.scrape_interval_seconds
+            gauges["engine_metrics_fresh"] = float(fresh)
+            if sample.usage is not None and fresh:
+                gauges["engine_kv_usage"] = sample.usage
+            gauges["engine_sleeping"] = float(bool(sample.sleeping) and fresh)
+        if gauges:
+            t.series.set_gauges(gauges)
+        return {t.key: gauges.get("engine_sleeping", 0.0)}
 
     def view(self, t: Tracked, window: float) -> EngineView | None:
         p = self._planned.get(t.key)

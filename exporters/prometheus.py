@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 from kvwatch.daemon.alerts import ALERT_NAMES
 from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.exporters.engine_families import engine_families
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from kvwatch.probes.cuda import CUDA_APIS, ApiCounters
 from kvwatch.probes.transfer import BUCKET_BOUNDS, XferCounters
 from prometheus_client.core import (
@@ -25,13 +27,8 @@ from prometheus_client.core import (
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-PROCESS_LABELS = ("pid", "engine", "role", "component", "container", "pod")
 ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium")
 OOM_LABELS = ("engine", "role", "container", "pod")
-
-
-def _values(labels: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
-    return [str(labels.get(n, "")) for n in names]
 
 
 def _uprobe_release_family(s: Snapshot) -> Iterator[Metric]:
@@ -41,16 +38,6 @@ def _uprobe_release_family(s: Snapshot) -> Iterator[Metric]:
         "each costs the kernel ~0.1 s, done in the background",
         value=s.uprobe_releases_pending,
     )
-
-
-# per KV event stream: StreamStats attribute, metric name, help
-STREAM_COUNTERS = (
-    ("batches", "kvwatch_kv_event_batches", "KV event batches decoded"),
-    ("gaps", "kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)"),
-    ("replayed", "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint"),
-    ("lost", "kvwatch_kv_event_batches_lost", "missed batches not recovered"),
-    ("restarts", "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again"),
-)
 
 
 def _alertmanager_family(s: Snapshot) -> Iterator[Metric]:
@@ -144,7 +131,7 @@ class SnapshotCollector(Collector):
         yield from self._process_families(s)
         yield from self._cuda_families(s)
         yield from self._transfer_families(s)
-        yield from self._engine_families(s)
+        yield from engine_families(s)
         yield from self._tier_families(s)
 
         oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
@@ -157,7 +144,7 @@ class SnapshotCollector(Collector):
         )
         for a in s.alerts:
             active.add_metric(
-                _values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS),
+                label_values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS),
                 1,
             )
         yield active
@@ -190,7 +177,7 @@ class SnapshotCollector(Collector):
         )
         gpu = GaugeMetricFamily("kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels)
         for p in s.processes:
-            v = _values(p.labels, PROCESS_LABELS)
+            v = label_values(p.labels, PROCESS_LABELS)
             pages.add_metric(v, p.totals.get("page_free_pages", 0.0))
             reclaim.add_metric([*v, "global"], p.totals.get("direct_reclaim_seconds", 0.0))
             reclaim.add_metric([*v, "memcg"], p.totals.get("memcg_reclaim_seconds", 0.0))
@@ -254,7 +241,7 @@ class SnapshotCollector(Collector):
         for p in s.processes:
             if p.cuda is None:
                 continue
-            v = _values(p.labels, PROCESS_LABELS)
+            v = label_values(p.labels, PROCESS_LABELS)
             attached.add_metric(v, p.cuda.symbols_attached)
             for kind, n in sorted(p.cuda.outstanding.items()):
                 outstanding.add_metric([*v, kind], n)
@@ -336,7 +323,7 @@ class SnapshotCollector(Collector):
             x = p.transfers
             if x is None:
                 continue
-            v = _values(p.labels, PROCESS_LABELS)
+            v = label_values(p.labels, PROCESS_LABELS)
             attached.add_metric(v, x.symbols_attached)
             registered.add_metric(v, x.registered_bytes)
             registrations.add_metric([*v, "ok"], x.registrations)
@@ -378,81 +365,6 @@ class SnapshotCollector(Collector):
         pending = GaugeMetricFamily("kvwatch_transfer_pending", "NIXL transfers posted and not completed yet")
         pending.add_metric([], s.transfers_pending)
         yield pending
-
-    def _engine_families(self, s: Snapshot) -> Iterator[Metric]:
-        labels = list(PROCESS_LABELS)
-        stored = CounterMetricFamily(
-            "kvwatch_kv_blocks_stored",
-            "KV blocks stored, from the engine's KV event stream",
-            labels=[*labels, "medium"],
-        )
-        removed = CounterMetricFamily(
-            "kvwatch_kv_blocks_removed",
-            "KV blocks evicted, from the engine's KV event stream",
-            labels=[*labels, "medium"],
-        )
-        young = CounterMetricFamily(
-            "kvwatch_kv_blocks_removed_young",
-            "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
-            labels=[*labels, "medium"],
-        )
-        resets = CounterMetricFamily(
-            "kvwatch_kv_cache_resets", "AllBlocksCleared events (prefix-cache reset, sleep)", labels=labels
-        )
-        s_labels = [*labels, "endpoint", "dp_rank"]
-        connected = GaugeMetricFamily(
-            "kvwatch_kv_event_stream_connected", "1 while the KV event subscriber is connected", labels=s_labels
-        )
-        per_stream = {attr: CounterMetricFamily(name, doc, labels=s_labels) for attr, name, doc in STREAM_COUNTERS}
-        bad = CounterMetricFamily(
-            "kvwatch_kv_event_decode_errors",
-            "messages (kind frames, sequence, payload) or events (kind event) dropped as malformed",
-            labels=[*s_labels, "kind"],
-        )
-        scrapes = CounterMetricFamily(
-            "kvwatch_engine_scrapes",
-            "scrapes of the engine's /metrics by result (ok, timeout, connect, http_NNN, parse)",
-            labels=[*labels, "result"],
-        )
-        usage = GaugeMetricFamily(
-            "kvwatch_engine_kv_usage_ratio", "KV pool usage the engine reports (0..1)", labels=labels
-        )
-        hit = GaugeMetricFamily(
-            "kvwatch_engine_prefix_cache_hit_ratio",
-            "prefix-cache hits over queried tokens, over the detector window",
-            labels=labels,
-        )
-        for p in s.processes:
-            e = p.engine
-            if e is None:
-                continue
-            v = _values(p.labels, PROCESS_LABELS)
-            if e.streams:
-                for medium, (a, b, c) in sorted(e.media.items()):
-                    stored.add_metric([*v, medium], a)
-                    removed.add_metric([*v, medium], b)
-                    young.add_metric([*v, medium], c)
-                resets.add_metric(v, sum(x.cleared for x in e.streams))
-            for x in e.streams:
-                sv = [*v, x.spec.endpoint, str(x.spec.dp_rank)]
-                connected.add_metric(sv, 1 if x.connected else 0)
-                for attr, fam in per_stream.items():
-                    fam.add_metric(sv, getattr(x, attr))
-                for kind, n in sorted(x.decode_errors.items()):
-                    bad.add_metric([*sv, kind], n)
-            if e.scrape is not None:
-                scrapes.add_metric([*v, "ok"], e.scrape.ok)
-                for reason, n in sorted(e.scrape.failures.items()):
-                    scrapes.add_metric([*v, reason], n)
-                sample = e.scrape.last
-                if sample is not None and sample.usage is not None:
-                    usage.add_metric(v, sample.usage)
-            if e.hit_ratio is not None:
-                hit.add_metric(v, e.hit_ratio)
-        yield from (stored, removed, young, resets, connected)
-        yield from (per_stream[a] for a in ("batches", "gaps", "replayed", "lost"))
-        yield from (bad, per_stream["restarts"])
-        yield from (scrapes, usage, hit)
 
     def _tier_families(self, s: Snapshot) -> Iterator[Metric]:
         evicted = CounterMetricFamily(

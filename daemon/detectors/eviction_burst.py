@@ -7,35 +7,42 @@ Per process and KV medium, over a trailing window:
   (SGLang ``evicted_tokens`` → GPU, in tokens; LMCache CPU evicted keys → CPU);
 * hot when the rate is at least max(factor x baseline, floor) — now or at any evaluation
   within the last window — **and** the prefix-hit ratio of that medium (vLLM
-  prefix-cache hits / queries in tokens for GPU, LMCache hit / requested tokens for CPU)
-  fell at least ``hit_drop`` below its reference with ``min_queried_tokens`` queried in
-  the window. The hit ratio lags the evictions (a lost prefix misses only when it is
-  asked for again), hence the burst is remembered for a window. The reference is the
-  higher of the learnt baseline and the hit ratio measured just before the burst: a
-  baseline learnt while the cache was still filling sits far below what the engine
-  achieves now. Where no hit ratio is exported at all, the rate alone decides; where it
-  is exported but too little was queried to judge, nothing fires (an idle engine cannot
-  burst).
-* cause: ``pressure`` when KV usage ≥ ``usage_pressure`` (the root cause of what comes
-  with it); else ``thrash`` when most removed blocks were stored less than
-  ``thrash_seconds`` before (hot blocks evicted; from the stream's own timestamps, or
-  vLLM's sampled idle-before-evict histogram) or preemptions run at ≥
-  ``thrash_preemptions_per_second``; else ``unexpected`` (usage is low: a reset, a policy
-  bug, pollution), or ``unknown`` without a usage figure.
+  prefix-cache hits / queries in tokens for GPU; LMCache hit / requested tokens, or vLLM's
+  external prefix cache, for CPU) fell at least ``hit_drop`` below its reference with
+  ``min_queried_tokens`` queried in the window. The hit ratio lags the evictions (a lost
+  prefix misses only when it is asked for again), hence the burst is remembered for a
+  window. The reference is the higher of the learnt baseline and the hit ratio measured
+  just before the burst: a baseline learnt while the cache was still filling sits far
+  below what the engine achieves now. Where the engine exports no hit ratio for any
+  medium, the rate alone decides; where it is exported but too little was queried to
+  judge, or only for another medium, nothing fires (an idle engine cannot burst).
+* cause: ``thrash`` when preemptions run at ≥ ``thrash_preemptions_per_second``
+  (requests thrown out and recomputed); else ``pressure`` when KV usage ≥
+  ``usage_pressure`` (the root cause of what comes with it); else ``thrash`` when most
+  removed blocks were stored less than ``thrash_seconds`` before (hot blocks evicted;
+  from the stream's own timestamps, or vLLM's sampled idle-before-evict histogram); else
+  ``unexpected`` (usage is low: a reset, a policy bug, pollution), or ``unknown`` without
+  a usage figure.
 * intentional: an ``AllBlocksCleared`` event (prefix-cache reset; vLLM sleep resets it
   too) or the engine reporting sleep — no alert, baselines held, and the process
   re-learns for ``baseline_min_seconds`` after ``quiet_after_reset_seconds``.
 
-Without any engine data (no stream, no engine counters) the OS-side view stands in: the
+Without any engine data (no stream, no engine counters, and no tapped engine process above
+it — a vLLM engine core is covered by its API server's taps) the OS-side view stands in: the
 process's host↔device copy bytes (CUDA copy probes), device→host *and* host→device both
 at ≥ max(factor x baseline, ``floor_copy_bytes_per_second``) — KV stored to host and
 loaded back, the churn of evicted hot blocks — fires with cause ``thrash``, medium CPU.
 
-One finding per process (the hottest medium names the alert's ``medium`` label).
+One finding per process. The alert's ``medium`` label is the first medium that is hot in a
+fixed order — the engine's own pool (GPU) first, then CPU, then the rest by name — and it
+stays while the alert fires: which medium a tick happened to see first never decides. The
+engine's KV usage and preemptions describe its GPU pool and are joined to that medium only;
+a CPU tier is judged by its own hit ratio (LMCache's, or vLLM's external prefix cache).
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import EvictionBurstConfig
@@ -45,6 +52,7 @@ from kvwatch.daemon.series import SeriesSet
 
 ALERT = "KVEvictionBurst"
 STREAM_PREFIX = "kv_removed_blocks:"
+MEDIUM_ORDER = {"GPU": 0, "CPU": 1}  # the engine's own pool first, then its first offload tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,28 +67,41 @@ class Source:
     also: str | None = None  # a second series that must burst too (the rate is the smaller of the two)
 
 
+def _hit_series(names: Container[str], medium: str) -> tuple[str | None, str | None]:
+    """The prefix-hit counters that measure reuse on ``medium``: the engine's own prefix cache
+    for GPU; for CPU, LMCache's hit tokens, else vLLM's external (KV connector) prefix cache."""
+    pairs = {
+        "GPU": [("engine_prefix_hits", "engine_prefix_queries")],
+        "CPU": [
+            ("lmcache_hit_tokens", "lmcache_requested_tokens"),
+            ("engine_external_prefix_hits", "engine_external_prefix_queries"),
+        ],
+    }.get(medium, [])
+    for hits, queries in pairs:
+        if queries in names:
+            return hits, queries
+    return None, None
+
+
 def sources(s: SeriesSet) -> list[Source]:
+    """Every medium this process reports evictions for, in a fixed order (GPU, CPU, the rest
+    by name): the order, not the timing of a tick, decides which medium names an alert."""
     names = s.series
-    hits_gpu = ("engine_prefix_hits", "engine_prefix_queries") if "engine_prefix_queries" in names else (None, None)
-    hits_cpu = (
-        ("lmcache_hit_tokens", "lmcache_requested_tokens") if "lmcache_requested_tokens" in names else (None, None)
-    )
     out: list[Source] = []
     for name in names:
         if name.startswith(STREAM_PREFIX):
             m = name[len(STREAM_PREFIX) :]
-            h, q = hits_gpu if m == "GPU" else hits_cpu if m == "CPU" else (None, None)
-            out.append(Source(m, name, "blocks", f"kv_removed_young:{m}", name, h, q))
+            out.append(Source(m, name, "blocks", f"kv_removed_young:{m}", name, *_hit_series(names, m)))
     media = {x.medium for x in out}
     if "GPU" not in media and "engine_evicted_tokens" in names:
-        out.append(Source("GPU", "engine_evicted_tokens", "tokens", None, None, *hits_gpu))
+        out.append(Source("GPU", "engine_evicted_tokens", "tokens", None, None, *_hit_series(names, "GPU")))
     if "CPU" not in media and "lmcache_evicted_keys" in names:
-        out.append(Source("CPU", "lmcache_evicted_keys", "keys", None, None, *hits_cpu))
-    if not out and "cuda_copy_d2h_bytes" in names:
+        out.append(Source("CPU", "lmcache_evicted_keys", "keys", None, None, *_hit_series(names, "CPU")))
+    if not out and "cuda_copy_d2h_bytes" in names and not s.gauge("engine_family_tapped"):
         # no engine data at all: the OS-side view — KV stored to host and loaded back, both
         # far above their baseline, is the store-then-reload churn of evicted hot blocks
         out.append(Source("CPU", "cuda_copy_d2h_bytes", "bytes", None, None, None, None, "cuda_copy_h2d_bytes"))
-    return out
+    return sorted(out, key=lambda x: (MEDIUM_ORDER.get(x.medium, len(MEDIUM_ORDER)), x.medium))
 
 
 @dataclass(slots=True)
@@ -97,7 +118,6 @@ class _Judged:
     values: dict[str, float]
     hot: bool
     cool: bool
-    score: float
 
 
 @dataclass(slots=True)
@@ -147,21 +167,24 @@ class EvictionBurst:
             out["queried_tokens"] = q
             if q >= c.min_queried_tokens and q > 0:
                 out["hit_ratio"] = s.delta(src.hits, w) / q
-        if s.gauge("engine_metrics_fresh") and "engine_kv_usage" in s.gauges:
-            out["kv_usage"] = s.gauge("engine_kv_usage")
-        if "engine_preemptions" in s.series:
-            out["preemptions_per_second"] = s.rate("engine_preemptions", w)
+        if src.medium == "GPU":  # the engine's usage and preemptions are about its own (GPU) pool
+            if s.gauge("engine_metrics_fresh") and "engine_kv_usage" in s.gauges:
+                out["kv_usage"] = s.gauge("engine_kv_usage")
+            if "engine_preemptions" in s.series:
+                out["preemptions_per_second"] = s.rate("engine_preemptions", w)
         return out
 
     def _cause(self, m: dict[str, float], evidence: bool) -> str:
-        """Pressure first: a full pool is the root cause of the hot-block evictions and
-        preemptions that come with it; below it, hot blocks or preemptions are thrash."""
+        """Preemptions first: requests thrown out and recomputed are thrash whatever the
+        usage (vLLM preempts only with a full pool). Then a full pool (pressure), the root
+        cause of the hot-block evictions that come with it; below it, hot blocks evicted
+        are thrash."""
         c = self.config
+        if m.get("preemptions_per_second", 0.0) >= max(c.thrash_preemptions_per_second, 1e-9):
+            return "thrash"
         if m.get("kv_usage", 0.0) >= c.usage_pressure:
             return "pressure"
-        if (evidence and m.get("young_fraction", 0.0) >= c.thrash_fraction) or m.get(
-            "preemptions_per_second", 0.0
-        ) >= max(c.thrash_preemptions_per_second, 1e-9):
+        if evidence and m.get("young_fraction", 0.0) >= c.thrash_fraction:
             return "thrash"
         return "unexpected" if "kv_usage" in m else "unknown"
 
@@ -189,20 +212,21 @@ class EvictionBurst:
             st.learning_since = now
         warm = st.learning_since is not None and now - st.learning_since >= c.baseline_min_seconds
 
-        judged = [self._judge(st, p, src, now, warm=warm, quiet=quiet) for src in srcs]
-        any_hot = any(j.hot for j in judged)
-        all_cool = all(j.cool for j in judged)
-        best = max(judged, key=lambda j: (j.hot, j.score))
+        rate_alone = not any(x.queries for x in srcs)  # this engine measures reuse on no medium
+        judged = [self._judge(st, p, src, now, warm=warm, quiet=quiet, rate_alone=rate_alone) for src in srcs]
+        hot = [j for j in judged if j.hot]
+        firing, changed = st.hysteresis.step(bool(hot), all(j.cool for j in judged), now)
+        if firing and not changed:  # an alert keeps the medium it fired on
+            best = next((j for j in judged if j.source.medium == st.medium), judged[0])
+        else:  # the first hot medium in the fixed order (GPU first), else the first
+            best = hot[0] if hot else judged[0]
         src, m = best.source, best.values
-        was_firing = st.hysteresis.firing
-        firing, changed = st.hysteresis.step(any_hot, all_cool, now)
         if firing and changed:
             st.medium = src.medium
             st.cause = "thrash" if src.also else self._cause(m, m["evicted"] >= c.floor_blocks_per_second)
-        elif not firing and not was_firing:
-            st.medium = src.medium
-            st.cause = ""
-        labels = {**p.subject.labels, "medium": st.medium or src.medium}
+        elif not firing:
+            st.medium, st.cause = src.medium, ""
+        labels = {**p.subject.labels, "medium": st.medium}
         hit = f", prefix hits {m['hit_ratio']:.0%} (were {m['reference_hit_ratio']:.0%})" if "hit_ratio" in m else ""
         usage = f", KV usage {m['kv_usage']:.0%}" if "kv_usage" in m else ""
         young = f", {m['young_fraction']:.0%} of them recently stored" if "young_fraction" in m else ""
@@ -219,8 +243,12 @@ class EvictionBurst:
             severity="warning",
         )
 
-    def _judge(self, st: _State, p: ProcessWindow, src: Source, now: float, *, warm: bool, quiet: bool) -> _Judged:
-        """One medium: hot (burst and, where exported, the hit ratio fell), cool, and learning."""
+    def _judge(
+        self, st: _State, p: ProcessWindow, src: Source, now: float, *, warm: bool, quiet: bool, rate_alone: bool
+    ) -> _Judged:
+        """One medium: hot (burst and the medium's hit ratio fell), cool, and learning. A medium
+        without a hit ratio of its own is judged on its rate alone only when the engine exports
+        no hit ratio for any medium: where it measures reuse, that is where reuse is judged."""
         c = self.config
         ms = self._medium_state(st, src.medium)
         m = self.measure(p, src)
@@ -237,7 +265,7 @@ class EvictionBurst:
         known = [v for v in (ms.hit.value if ms.hit.weight > 0 else None, ms.hit_before) if v is not None]
         reference = max(known, default=0.0)
         if src.queries is None:
-            hit_ok = True  # this engine exports no hit ratio: the rate alone decides
+            hit_ok = rate_alone
         else:
             hit_ok = "hit_ratio" in m and bool(known) and m["hit_ratio"] <= reference - c.hit_drop
         hot = warm and not quiet and recent and hit_ok
@@ -256,4 +284,4 @@ class EvictionBurst:
             ms.rate.update(m["eviction_rate"], now)
             if "hit_ratio" in m:
                 ms.hit.update(m["hit_ratio"], now)
-        return _Judged(src, m, hot, cool, m["eviction_rate"] / limit if limit > 0 else 0.0)
+        return _Judged(src, m, hot, cool)

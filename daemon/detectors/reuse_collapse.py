@@ -10,6 +10,11 @@ bursts, no failures), ``fragmentation`` (the rest, with 2/20 MiB segments).
 
 A second finding, CUDAMemoryGrowth, is the leak: the same call rate with net
 bytes rising.
+
+Intentional: while the engine the process belongs to reports sleep mode (vLLM's
+``engine_sleep_state``, from its API server's /metrics) and ``quiet_after_sleep_seconds``
+after, nothing is judged or learnt — wake-up maps the pool and weights back in a burst —
+then the process warms up anew.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class _State:
     hysteresis: Hysteresis
     growth: Hysteresis
     warm_since: float | None = None
+    quiet_until: float = 0.0
     cause: str = ""
 
 
@@ -117,7 +123,13 @@ class ReuseCollapse:
         """Past start-up: old enough, KV pool allocated when we can tell, and a baseline learnt
         for a while (CUDA graph capture and torch.compile allocate a lot at first)."""
         c = self.config
-        if p.age < c.warmup_seconds:
+        if p.series.gauge("engine_sleeping") >= 1:
+            # sleep mode releases the KV pool (and weights) and wake-up maps them again: an
+            # intentional turnover, neither judged nor learnt; the process warms up anew after
+            st.warm_since = None
+            st.quiet_until = now + c.quiet_after_sleep_seconds
+            return False
+        if now < st.quiet_until or p.age < c.warmup_seconds:
             return False
         # the KV pool: one allocation we saw, or (allocated before we attached) NVML's view
         pool = max(p.series.last("cuda_max_alloc"), p.series.last("gpu_used_bytes"))

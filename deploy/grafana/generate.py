@@ -461,6 +461,41 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 [
                     (f"kvwatch_engine_kv_usage_ratio{{{PROC}}}", "usage {{pid}}"),
                     (f"kvwatch_engine_prefix_cache_hit_ratio{{{PROC}}}", "prefix hits {{pid}}"),
+                    (
+                        f"sum by ({BY_PROC}, medium) (rate(kvwatch_engine_prefix_cache_hit_tokens_total{{{PROC}}}"
+                        f"[$__rate_interval])) / sum by ({BY_PROC}, medium) "
+                        f"(rate(kvwatch_engine_prefix_cache_queried_tokens_total{{{PROC}}}[$__rate_interval]))",
+                        "hits {{medium}} {{pid}}",
+                    ),
+                    (f"kvwatch_engine_sleeping{{{PROC}}}", "sleeping {{pid}}"),
+                ],
+                "timeseries",
+            ),
+            (
+                "Engine preemptions /s",
+                "short",
+                [
+                    (
+                        f"sum by ({BY_PROC}) (rate(kvwatch_engine_preemptions_total{{{PROC}}}[$__rate_interval]))",
+                        "{{engine}} {{pid}}",
+                    )
+                ],
+                "timeseries",
+            ),
+            (
+                "KV offload: engine-reported vs copies seen",
+                "Bps",
+                [
+                    (
+                        f"sum by ({BY_PROC}, direction) "
+                        f"(rate(kvwatch_engine_kv_offload_bytes_total{{{PROC}}}[$__rate_interval]))",
+                        "engine {{direction}} {{pid}}",
+                    ),
+                    (
+                        f'sum by (engine, pod, direction) (rate(kvwatch_cuda_copy_bytes_total{{{PROC},direction=~"d2h|h2d"}}'
+                        f"[$__rate_interval]))",
+                        "copies {{direction}} {{engine}}",
+                    ),
                 ],
                 "timeseries",
             ),

@@ -243,3 +243,91 @@ def test_endpoint_config_errors_all_named() -> None:
     assert "engines.endpoints.1" in text and "tcp://HOST:PORT" in text
     assert "engines.endpoints.2" in text and "kv_events, metrics_url or both" in text
     assert "engines.scrape_interval_seconds" in text
+
+
+def test_wrapper_carrying_kv_events_config_is_tapped(tmp_path: Path) -> None:
+    """A script that launches vLLM with vLLM's own argument parser, watched by hand (--pid): no
+    engine rule knows it, its command line still says where the stream is. /metrics only with
+    a --port (the wrapper may serve no HTTP at all)."""
+    argv = ["/usr/bin/python3", "/srv/launch_llm.py", "--model", "m", "--kv-events-config", json.dumps(KV)]
+    root = make_proc(tmp_path / "proc", [FakeProc(77, "python3", argv)])
+    (proc,) = Discovery(DiscoveryConfig(proc_root=root, pids=[77]), ProcFS(root)).scan()
+    assert proc.labels.engine == "unknown"
+    p = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), argv, EnginesConfig(), Reach(root))
+    assert p is not None and [s.endpoint for s in p.streams] == ["tcp://127.0.0.1:5557"]
+    assert p.metrics_url is None
+    with_port = [*argv, "--port", "8100"]
+    p2 = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), with_port, EnginesConfig(), Reach(root))
+    assert p2 is not None and p2.metrics_url == "http://127.0.0.1:8100/metrics"
+    bare = ["/usr/bin/python3", "/srv/launch_llm.py", "--model", "m"]
+    assert plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), bare, EnginesConfig(), Reach(root)) is None
+
+
+def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
+    """[[engines.endpoints]] for a process no engine rule matches: it is watched (by pid, or by
+    its command-line pattern with the endpoint's engine label) and gets those taps."""
+    root = make_proc(
+        tmp_path / "proc",
+        [
+            FakeProc(81, "python3", ["/usr/bin/python3", "/srv/my_server.py"]),
+            FakeProc(82, "server", ["/opt/bin/kvserver", "--listen", "0.0.0.0"]),
+            FakeProc(83, "bash", ["bash"]),
+        ],
+    )
+    cfg = Config.model_validate(
+        {
+            "engines": {
+                "endpoints": [
+                    {"cmdline": r"my_server\.py", "kv_events": "tcp://127.0.0.1:6000", "engine": "vllm"},
+                    {"pid": 82, "metrics_url": "http://127.0.0.1:9100/metrics"},
+                ]
+            }
+        }
+    )
+    disc = Discovery(DiscoveryConfig(proc_root=root), ProcFS(root), endpoints=cfg.engines.endpoints)
+    found = {p.pid: p for p in disc.scan()}
+    assert set(found) == {81, 82}
+    assert (found[81].labels.engine, found[81].source) == ("vllm", "rule")
+    assert (found[82].labels.engine, found[82].source) == ("unknown", "manual")
+    hub, scraper = _Recorder(), _Recorder()
+    taps = EngineTaps(cfg.engines, ProcFS(root), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
+    taps.sync([Tracked(found[81], 1.0, SeriesSet()), Tracked(found[82], 1.0, SeriesSet())])
+    assert [s.endpoint for s in hub.streams] == ["tcp://127.0.0.1:6000"]
+    assert [t.url for t in scraper.targets] == ["http://127.0.0.1:9100/metrics"]
+
+
+class _Sleeping(_Recorder):
+    """A scraper whose last sample of every target says the engine sleeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at = 0.0
+
+    def states(self) -> dict[Any, Any]:
+        from kvwatch.daemon.engine_metrics import EngineSample, TargetState
+
+        return {t: TargetState(t, 1, {}, EngineSample(at=self.at, sleeping=True)) for t in self.targets}
+
+
+def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
+    """The API server reports sleep mode; its engine core (a child) holds the GPU memory whose
+    release and remap the allocator detector must not take for churn."""
+    argv = [*VLLM, "--kv-events-config", json.dumps(KV)]
+    root = make_proc(
+        tmp_path / "proc",
+        [
+            FakeProc(500, "vllm", argv, start=1000),
+            FakeProc(501, "VLLM::EngineCor", ["VLLM::EngineCore"], ppid=500, start=2000),
+            FakeProc(502, "VLLM::EngineCor", ["VLLM::EngineCore"], ppid=1, start=3000),  # another engine's
+        ],
+    )
+    procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), ProcFS(root)).scan()}
+    t = {pid: Tracked(procs[pid], float(pid), SeriesSet()) for pid in procs}
+    scraper = _Sleeping()
+    taps = EngineTaps(EnginesConfig(), ProcFS(root), ErrorBook(), hub=_Recorder(), scraper=scraper, clock=lambda: 1.0)  # type: ignore[arg-type]
+    taps.sync(t.values())
+    scraper.at = 1.0
+    taps.add_series(t.values(), 1.0)
+    assert t[500].series.gauge("engine_sleeping") == t[501].series.gauge("engine_sleeping") == 1.0
+    assert t[501].series.gauge("engine_family_tapped") == 1.0
+    assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_family_tapped") == 0.0

@@ -33,6 +33,8 @@ class Engine:
     sleeping: bool = False
     stream: bool = True  # KV events (else only engine counters)
     hits_exported: bool = True
+    cpu: bool = False  # an offload tier announcing medium CPU (vLLM's OffloadingConnector)
+    external_hits: bool = False  # vLLM's external_prefix_cache_* for that tier
 
     def second(
         self,
@@ -44,6 +46,9 @@ class Engine:
         cleared: int = 0,
         preempt: float = 0,
         evicted_tokens: float | None = None,
+        cpu_removed: float = 2,
+        ext_queries: float = 800,
+        ext_hit: float = 0.5,
     ) -> None:
         self.t += 1
         add = self.c.__setitem__
@@ -59,6 +64,12 @@ class Engine:
             add("engine_prefix_queries", get("engine_prefix_queries", 0) + queries)
             add("engine_prefix_hits", get("engine_prefix_hits", 0) + queries * hit)
         add("engine_preemptions", get("engine_preemptions", 0) + preempt)
+        if self.cpu:
+            add("kv_removed_blocks:CPU", get("kv_removed_blocks:CPU", 0) + cpu_removed)
+            add("kv_stored_blocks:CPU", get("kv_stored_blocks:CPU", 0) + cpu_removed)
+        if self.external_hits:
+            add("engine_external_prefix_queries", get("engine_external_prefix_queries", 0) + ext_queries)
+            add("engine_external_prefix_hits", get("engine_external_prefix_hits", 0) + ext_queries * ext_hit)
         self.series.add(self.t, dict(self.c))
         gauges = {"engine_metrics_fresh": 1.0, "engine_sleeping": float(self.sleeping)}
         if self.usage is not None:
@@ -195,9 +206,10 @@ def test_sleep_is_intentional() -> None:
     ("usage", "kw", "cause"),
     [
         (0.3, {}, "unexpected"),
-        (0.97, {"young": 250}, "pressure"),  # a full pool first, whatever comes with it
+        (0.97, {"young": 250}, "pressure"),  # a full pool is the root cause of hot blocks evicted
         (0.6, {"young": 250}, "thrash"),  # most removed blocks were stored moments before
         (0.3, {"preempt": 3}, "thrash"),
+        (0.97, {"preempt": 3}, "thrash"),  # requests thrown out and recomputed: thrash, full pool or not
         (None, {}, "unknown"),
     ],
 )
@@ -263,3 +275,42 @@ def test_os_side_copy_churn_without_engine_data() -> None:
     run(10, 500 * mib, 400 * mib)  # both ways
     assert fired and fired[0].cause == "thrash" and fired[0].subject.labels["medium"] == "CPU"
     assert fired[0].values["h2d_bytes_per_second"] >= 64 * mib  # over the floor, in the window of the onset
+
+
+def test_cpu_tier_without_its_own_hit_ratio_never_names_the_alert() -> None:
+    """vLLM with the OffloadingConnector announces every block on GPU and CPU. A CPU burst is
+    not judged on its rate alone when the engine measures reuse (on the GPU): the alert is the
+    GPU's, with the GPU's usage joined, whichever medium's burst a tick saw first."""
+    r = Run(cpu=True)
+    warm(r)
+    r.seconds(3, cpu_removed=500)  # the CPU tier evicting alone, GPU hits intact
+    assert r.onsets == 0
+    r.eng.usage = 0.95
+    r.seconds(10, cpu_removed=500, removed=300, hit=0.1)
+    onset = next(f for f in r.log if f.firing)
+    assert onset.subject.labels["medium"] == "GPU" and onset.cause == "pressure"
+    assert onset.values["kv_usage"] == 0.95 and onset.values["hit_ratio"] < 0.5
+    assert all(f.subject.labels["medium"] == "GPU" for f in r.log if f.firing)
+
+
+def test_both_media_hot_the_gpu_names_it() -> None:
+    r = Run(cpu=True, external_hits=True)
+    warm(r)
+    r.eng.usage = 0.95
+    r.seconds(1, cpu_removed=500, ext_hit=0.0)  # CPU hot one tick before the GPU
+    r.seconds(10, cpu_removed=500, ext_hit=0.0, removed=300, hit=0.1)
+    onset = next(f for f in r.log if f.firing)
+    assert onset.subject.labels["medium"] == "GPU" and onset.cause == "pressure"
+
+
+def test_cpu_tier_judged_by_the_external_prefix_cache() -> None:
+    """The CPU tier alone evicting what is asked for again: vLLM's external prefix-cache hits
+    fall. The GPU pool's usage and preemptions are not joined to it."""
+    r = Run(cpu=True, external_hits=True)
+    warm(r)
+    r.eng.usage = 0.97
+    fs = r.seconds(10, cpu_removed=500, ext_hit=0.05, preempt=3)
+    onset = next(f for f in fs if f.firing)
+    assert onset.subject.labels["medium"] == "CPU"
+    assert "kv_usage" not in onset.values and "preemptions_per_second" not in onset.values
+    assert onset.cause == "unknown" and onset.values["hit_ratio"] == pytest.approx(0.05)

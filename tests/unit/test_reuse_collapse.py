@@ -133,3 +133,21 @@ def test_clears_after_recovery() -> None:
     assert any(run(p, 5, allocs=300, clustered=250))
     states = run(p, 8, allocs=0.2)
     assert states[-1] is False
+
+
+def test_sleep_mode_release_and_remap_are_intentional() -> None:
+    """vLLM sleep mode: its engine's server reports sleep (mirrored onto this process); the KV
+    pool and weights are released, then mapped again at wake-up in a burst. Neither is churn nor
+    growth: the process warms up anew after waking."""
+    p = Proc(cfg(quiet_after_sleep_seconds=6))
+    run(p, 10)
+    p.series.set_gauges({"engine_sleeping": 1.0})
+    for _ in range(3):
+        f = p.step(allocs=0, frees=80, size=2 * MIB)
+        assert not f[ALERT].firing and not f[GROWTH].firing  # type: ignore[attr-defined]
+    p.series.set_gauges({"engine_sleeping": 0.0})
+    for _ in range(4):  # wake-up: 80 mappings a second, nothing freed
+        f = p.step(allocs=80, frees=0, size=2 * MIB)
+        assert not f[ALERT].firing and not f[GROWTH].firing  # type: ignore[attr-defined]
+    run(p, 10)  # quiet, then the baseline learnt anew (what the wake-up did is not in it)
+    assert any(run(p, 4, allocs=80, size=2 * MIB))  # warm again: churn is an alert
