@@ -18,9 +18,11 @@ Workloads (the validation's scenarios):
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import random
+import socket
 import statistics
 import threading
 import time
@@ -133,6 +135,15 @@ class Client:
             self._conn.close()
             self._conn = None
 
+    def abort(self) -> None:
+        """From another thread: break the request in flight (vLLM aborts a request whose
+        client went away)."""
+        conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
 
 @dataclass(slots=True)
 class Run:
@@ -143,8 +154,10 @@ class Run:
     requests: list[Request] = field(default_factory=list)
     started: float = 0.0
     stopped: float = 0.0
+    aborted: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _clients: list[Client] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stop(self, wait: bool = True) -> None:
@@ -154,6 +167,15 @@ class Run:
         if wait:
             for t in self._threads:
                 t.join()
+
+    def abort(self) -> None:
+        """Stop now: requests in flight are cut off (and counted as aborted, not failed)."""
+        self.aborted = True
+        self.stop(wait=False)
+        for c in list(self._clients):
+            c.abort()
+        for t in self._threads:
+            t.join()
 
     def record(self, r: Request) -> None:
         with self._lock:
@@ -171,6 +193,7 @@ class Load:
 
         def client_loop() -> None:
             c = Client(self.host, self.port, self.model)
+            run._clients.append(c)
             try:
                 while not run._stop.is_set():
                     prompt, idx = self.prompts.make(w)
@@ -179,9 +202,8 @@ class Load:
                         n, cached = c.complete(prompt, w.max_tokens, w.ignore_eos)
                         run.record(Request(phase, w.kind, t0, time.monotonic(), True, n, cached, idx))
                     except Exception as err:  # a failed request is data, not a crash
-                        run.record(
-                            Request(phase, w.kind, t0, time.monotonic(), False, len(prompt), None, idx, str(err))
-                        )
+                        why = "aborted" if run.aborted else str(err)
+                        run.record(Request(phase, w.kind, t0, time.monotonic(), False, len(prompt), None, idx, why))
                         run._stop.wait(0.2)
             finally:
                 c.close()
@@ -213,7 +235,7 @@ def summary(run: Run, window: tuple[float, float] | None = None) -> dict[str, An
     lo, hi = window or (run.started, run.stopped or time.monotonic())
     done = [r for r in run.requests if r.ok and lo <= r.end <= hi]
     lat = sorted(r.end - r.start for r in done)
-    failed = sum(1 for r in run.requests if not r.ok)
+    failed = sum(1 for r in run.requests if not r.ok and r.error != "aborted")
     out: dict[str, Any] = {
         "phase": run.phase,
         "seconds": hi - lo,

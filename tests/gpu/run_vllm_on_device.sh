@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The real-vLLM validation on the lent H200 (device tool), from the repo root. Five calls back
+# to back: the machine keeps /tmp only while it stays warm (30 s after a call).
+#
+#   1-2. carry [".vllm-bundle/parts/bundle.part00"], command: bash tests/gpu/run_vllm_on_device.sh part 00   (then 01)
+#   3.   carry [".vllm-bundle/parts/bundle.part02", ".vllm-bundle/make_tiny_model.py"]
+#        command: bash tests/gpu/run_vllm_on_device.sh unpack 02
+#   4.   carry [".gpu-bundle", ".whl"], command: bash tests/gpu/run_vllm_on_device.sh first
+#   5.   command: bash tests/gpu/run_vllm_on_device.sh second      (kvwatch, vLLM and the subscriber
+#        started by call 4 are still running: each in its own session)
+#
+# Bundles, built here first: ../shared/gpu/make-bcc-bundle (.gpu-bundle),
+# ../shared/gpu/vllm/make-vllm-bundle (.vllm-bundle), kvwatch's wheels for Python 3.12 in .whl.
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+step=${1:?part NN | unpack NN | first | second}
+
+with_bcc() {
+    if [ -e /opt/kvbcc/.done ]; then  # unpacked by an earlier call on this machine
+        LD_LIBRARY_PATH=/opt/kvbcc/usr/lib/x86_64-linux-gnu:/opt/kvbcc/lib/x86_64-linux-gnu \
+        PYTHONPATH=/opt/kvbcc/usr/lib/python3/dist-packages:$PYTHONPATH "$@"
+    else
+        .gpu-bundle/with-bcc "$@"
+    fi
+}
+
+case "$step" in
+    part)
+        mkdir -p /tmp/b && cp ".vllm-bundle/parts/bundle.part$2" /tmp/b/ && ls -la /tmp/b
+        ;;
+    unpack)
+        cp ".vllm-bundle/parts/bundle.part$2" /tmp/b/ || exit 1
+        mkdir -p /tmp/vsite
+        time (cat /tmp/b/bundle.part* | xz -d -T0 | tar -xf - -C /tmp/vsite) || exit 1
+        rm -rf /tmp/b
+        python3 .vllm-bundle/make_tiny_model.py /tmp/tiny || exit 1
+        PYTHONPATH=/tmp/vsite python3 -c 'import vllm, msgspec, zmq; print("vllm", vllm.__version__)'
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        df -h /tmp | tail -1
+        ;;
+    first | second)
+        if [ ! -e /tmp/site/.done ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+            touch /tmp/site/.done
+        fi
+        mkdir -p /tmp/kvpkg/kvwatch
+        for d in daemon probes exporters; do ln -sfn "$PWD/$d" "/tmp/kvpkg/kvwatch/$d"; done
+        export PYTHONPATH=/tmp/kvpkg:/tmp/site:$PWD PYTHONUNBUFFERED=1
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r
+        with_bcc python3 -c 'import bcc, kvwatch.probes.cuda; print("bcc", bcc.__version__)' || exit 1
+        # at most 8 files come back from $OUT: the harness writes just that many
+        with_bcc python3 tests/gpu/validate_vllm.py --out "$out" --plan "$step" --deadline "${DEADLINE:-560}" 2>&1 \
+            | tee "/tmp/validate_$step.log" | tail -80
+        ;;
+esac
