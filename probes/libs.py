@@ -21,8 +21,10 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.gnuversions import GNUVerSymSection
 from elftools.elf.sections import SymbolTableSection
 
-# Exact file-name patterns (the real file behind the soname link may carry a full version).
-CUDART = re.compile(r"^libcudart\.so\.\d+(\.\d+)*$")
+# Exact file-name patterns (the real file behind the soname link may carry a full version). A
+# wheel that bundles the CUDA runtime carries it renamed by auditwheel (libcudart-1a2b3c4d.so.13);
+# vLLM's own loader takes such a copy when it is mapped first, so it is probed as well.
+CUDART = re.compile(r"^libcudart(-[0-9a-f]{8,})?\.so\.\d+(\.\d+)*$")
 LIBCUDA = re.compile(r"^libcuda\.so\.1(\.\d+)*$|^libcuda\.so\.\d{3}(\.\d+)+$")
 LIBUCM = re.compile(r"^libucm(-[0-9a-f]+)?\.so(\.\d+)*$")
 

@@ -5,8 +5,10 @@ Per process and KV medium, over a trailing window:
 * eviction rate — blocks removed per second from vLLM's KV event stream
   (``kv_removed_blocks:MEDIUM``); without a stream, the engine's own counters
   (SGLang ``evicted_tokens`` → GPU, in tokens; LMCache CPU evicted keys → CPU);
-* hot when the rate is at least max(factor x baseline, floor) — now or at any evaluation
-  within the last window — **and** the prefix-hit ratio of that medium (vLLM
+* hot when the rate is at least max(factor x baseline, floor) — or, for the GPU pool, the
+  engine's preemptions at least max(factor x their baseline, ``thrash_preemptions_per_second``):
+  a preempted request's KV is thrown out to be recomputed, with no BlockRemoved — now or at
+  any evaluation within the last window — **and** the prefix-hit ratio of that medium (vLLM
   prefix-cache hits / queries in tokens for GPU; LMCache hit / requested tokens, or vLLM's
   external prefix cache, for CPU) fell at least ``hit_drop`` below its reference with
   ``min_queried_tokens`` queried in the window. The hit ratio lags the evictions (a lost
@@ -15,7 +17,9 @@ Per process and KV medium, over a trailing window:
   just before the burst: a baseline learnt while the cache was still filling sits far
   below what the engine achieves now. Where the engine exports no hit ratio for any
   medium, the rate alone decides; where it is exported but too little was queried to
-  judge, or only for another medium, nothing fires (an idle engine cannot burst).
+  judge, or only for another medium, nothing fires (an idle engine cannot burst). Rates are
+  judged only once the baselines are learnt (``warmup_seconds`` + ``baseline_min_seconds``): a
+  full pool turning over evicts steadily above the floor, and that is normal to learn.
 * cause: ``thrash`` when preemptions run at ≥ ``thrash_preemptions_per_second``
   (requests thrown out and recomputed); else ``pressure`` when KV usage ≥
   ``usage_pressure`` (the root cause of what comes with it); else ``thrash`` when most
@@ -108,6 +112,7 @@ def sources(s: SeriesSet) -> list[Source]:
 class _Medium:
     rate: Baseline
     hit: Baseline
+    preempt: Baseline
     burst_at: float | None = None  # last evaluation that saw the rate above the threshold
     hit_before: float | None = None  # hit ratio at the last evaluation with no burst in the window
 
@@ -144,7 +149,7 @@ class EvictionBurst:
         m = st.media.get(medium)
         if m is None:
             h = self.config.baseline_half_life_seconds
-            m = st.media[medium] = _Medium(Baseline(h), Baseline(h))
+            m = st.media[medium] = _Medium(Baseline(h), Baseline(h), Baseline(h))
         return m
 
     def measure(self, p: ProcessWindow, src: Source) -> dict[str, float]:
@@ -243,6 +248,27 @@ class EvictionBurst:
             severity="warning",
         )
 
+    def _limits(self, ms: _Medium, src: Source, m: dict[str, float]) -> tuple[float, float | None]:
+        """The eviction-rate threshold, and (GPU) the preemption-rate one."""
+        c = self.config
+        floor = {"tokens": c.floor_tokens_per_second, "bytes": c.floor_copy_bytes_per_second}.get(
+            src.unit, c.floor_blocks_per_second
+        )
+        limit = threshold(ms.rate.value, c.factor, floor)
+        if "preemptions_per_second" not in m or c.thrash_preemptions_per_second <= 0:
+            return limit, None
+        return limit, threshold(ms.preempt.value, c.factor, c.thrash_preemptions_per_second)
+
+    @staticmethod
+    def _bursting(m: dict[str, float], limit: float, pre_limit: float | None) -> bool:
+        """Blocks evicted far above normal, or (GPU) requests preempted far above normal: a
+        preempted request's KV is thrown out of the pool to be recomputed, and vLLM announces
+        no BlockRemoved for it (its blocks stay cached, free)."""
+        if 0 < m["eviction_rate"] >= limit:
+            return True
+        pre = m.get("preemptions_per_second", 0.0)
+        return pre_limit is not None and 0 < pre >= pre_limit
+
     def _judge(
         self, st: _State, p: ProcessWindow, src: Source, now: float, *, warm: bool, quiet: bool, rate_alone: bool
     ) -> _Judged:
@@ -252,12 +278,11 @@ class EvictionBurst:
         c = self.config
         ms = self._medium_state(st, src.medium)
         m = self.measure(p, src)
-        floor = {"tokens": c.floor_tokens_per_second, "bytes": c.floor_copy_bytes_per_second}.get(
-            src.unit, c.floor_blocks_per_second
-        )
-        limit = threshold(ms.rate.value, c.factor, floor)
-        burst = m["eviction_rate"] >= limit and m["eviction_rate"] > 0
-        if burst:
+        limit, pre_limit = self._limits(ms, src, m)
+        # judged against a learnt baseline only: an engine evicting steadily above the floor
+        # (a full pool turning over) would otherwise be "bursting" from its first second and
+        # never learn what normal is
+        if warm and self._bursting(m, limit, pre_limit):
             ms.burst_at = now
         recent = ms.burst_at is not None and now - ms.burst_at <= c.window_seconds
         if not recent and not st.hysteresis.firing and "hit_ratio" in m:
@@ -276,12 +301,17 @@ class EvictionBurst:
             reference_hit_ratio=reference,
             ratio_to_baseline=m["eviction_rate"] / ms.rate.value if ms.rate.value > 0 else 0.0,
         )
-        cool = quiet or (m["eviction_rate"] < 0.5 * limit and not recent) or not hit_ok
+        if pre_limit is not None:
+            m.update(preemption_threshold=pre_limit, baseline_preemptions_per_second=ms.preempt.value)
+        calm = not self._bursting(m, 0.5 * limit, None if pre_limit is None else 0.5 * pre_limit)
+        cool = quiet or (calm and not recent) or not hit_ok
         if st.hysteresis.firing or recent or quiet:  # a burst is not learnt as normal, hit drop or not (yet)
-            ms.rate.hold(now)
-            ms.hit.hold(now)
+            for b in (ms.rate, ms.hit, ms.preempt):
+                b.hold(now)
         elif st.learning_since is not None:
             ms.rate.update(m["eviction_rate"], now)
             if "hit_ratio" in m:
                 ms.hit.update(m["hit_ratio"], now)
+            if "preemptions_per_second" in m:
+                ms.preempt.update(m["preemptions_per_second"], now)
         return _Judged(src, m, hot, cool)

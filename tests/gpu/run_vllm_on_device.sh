@@ -8,13 +8,14 @@
 #   4.   carry [".gpu-bundle", ".whl"], command: bash tests/gpu/run_vllm_on_device.sh first
 #   5.   command: bash tests/gpu/run_vllm_on_device.sh second      (kvwatch, vLLM and the subscriber
 #        started by call 4 are still running: each in its own session)
+#   6.   command: bash tests/gpu/run_vllm_on_device.sh cost        (vLLM still running)
 #
 # Bundles, built here first: ../shared/gpu/make-bcc-bundle (.gpu-bundle),
 # ../shared/gpu/vllm/make-vllm-bundle (.vllm-bundle), kvwatch's wheels for Python 3.12 in .whl.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?part NN | unpack NN | first | second}
+step=${1:?part NN | unpack NN | first | second | cost}
 
 with_bcc() {
     if [ -e /opt/kvbcc/.done ]; then  # unpacked by an earlier call on this machine
@@ -39,7 +40,7 @@ case "$step" in
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         df -h /tmp | tail -1
         ;;
-    first | second)
+    first | second | cost)
         if [ ! -e /tmp/site/.done ]; then
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
             touch /tmp/site/.done

@@ -14,7 +14,7 @@ Each runs in its own session so that the second call finds them (``vllm_harness.
                 thrash, active within 3 s of the hot prefixes missing, cleared after;
   3. preempt  — unique prompts generating 1,100 tokens, 32 clients: the pool (2,048 blocks)
                 cannot hold them and vLLM preempts; the alert's cause is thrash; then steady.
-``--plan second`` (scenarios 4-5, closure, cost):
+``--plan second`` (scenarios 4-5, closure):
   4. intentional — POST /reset_prefix_cache, then sleep level 1 and wake-up, with steady
                 load around them: no KVEvictionBurst, no KVCacheReuseCollapse; the sleep /
                 wake driver calls (vLLM's CuMem allocator) counted by kind;
@@ -23,16 +23,18 @@ Each runs in its own session so that the second call finds them (``vllm_harness.
   closure     — at quiescence: kvwatch_kv_blocks_{stored,removed}_total per medium and the
                 resets against the subscriber, exactly; every engine counter kvwatch
                 re-exports against vLLM's /metrics;
-  cost        — interleaved rounds, kvwatch attached (daemon started, probes attached,
-                stream subscribed, /metrics scraped) or not: throughput, p50/p99 of the
-                steady and pressure loads.
-``--plan all`` runs both in one process (the dry run here: ``--engine sim`` drives the
+``--plan cost`` (a third call; vLLM still runs): interleaved rounds, kvwatch attached (daemon
+  started, probes attached, stream subscribed, /metrics scraped) or not, each mode after the
+  same idle settle and a short unmeasured warm-up: throughput, p50/p99 of the steady and
+  pressure loads.
+``--plan all`` runs the three in one process (the dry run here: ``--engine sim`` drives the
 simulated vLLM through the same command line, ``--quick`` shortens phases and warm-ups).
 
 Writes into --out: validation.json (every number), validation.md, kvwatch_timeline.jsonl.gz
 (kvwatch's alerts and counters every second), vllm_metrics.jsonl.gz (vLLM's /metrics every
-second), requests.jsonl.gz, logs.tar.gz; the second call adds stream.jsonl.gz and
-raw_frames.json (the recorded event stream, for the CI-side replay).
+second), requests.jsonl.gz, logs.tar.gz — suffixed by call (_1, _2, _3; at most 8 files come
+back from a call); the second call adds stream.jsonl.gz and raw_frames.json (the recorded event
+stream, for the CI-side replay); the third writes validation.json and validation.md.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from tests.gpu.vllm_harness import (
     children,
     cmdline,
     comm,
+    cuda_maps,
     engine_env,
     kvwatch_argv,
     kvwatch_extract,
@@ -79,10 +82,10 @@ from tests.gpu.vllm_load import PREEMPT, PRESSURE, STEADY, Load, summary
 
 FULL = {"steady": 75, "warm_after_start": 170, "pressure": 45, "hot": 30, "recover": 45, "preempt": 40,
         "recover2": 40, "before_reset": 10, "after_reset": 35, "asleep": 8, "after_wake": 35,
-        "round_steady": 10, "round_pressure": 10}  # fmt: skip
+        "round_settle": 15, "round_warm": 4, "round_steady": 12, "round_pressure": 12}  # fmt: skip
 QUICK = {"steady": 30, "warm_after_start": 30, "pressure": 15, "hot": 12, "recover": 25, "preempt": 15,
          "recover2": 25, "before_reset": 5, "after_reset": 15, "asleep": 3, "after_wake": 15,
-         "round_steady": 4, "round_pressure": 4}  # fmt: skip
+         "round_settle": 3, "round_warm": 2, "round_steady": 4, "round_pressure": 4}  # fmt: skip
 # The tiny model's KV pool is 1 GiB (2,048 blocks) on a 141 GB GPU: below the default 10 % that
 # tells KVCacheReuseCollapse the pool is allocated, it would never be warm, and "no alert through
 # sleep and wake-up" would prove nothing. The pool marker is lowered for this run; all else default.
@@ -175,7 +178,7 @@ class Run:
             return ok
 
         took = wait_until(tapped, 90, "kvwatch tapped the engine (stream, /metrics, CUDA probes)")
-        st.mark("tapped", seconds=round(took, 1), engine_core=st.engine_core_pid)
+        st.mark("tapped", seconds=round(took, 1), engine_core=st.engine_core_pid, maps=cuda_maps(st.engine_core_pid))
 
     def start_pollers(self, suffix: str) -> None:
         self.pollers = [
@@ -300,7 +303,7 @@ def intentional(r: Run, st: State) -> None:
     time.sleep(1.0)
     r.results["cuda_before_sleep"] = checks.cuda_counters(kvwatch_samples(), core)
     code, body = post(vllm_url("/sleep?level=1"), 120)
-    st.mark("sleep", status=code)
+    st.mark("sleep", status=code, maps=cuda_maps(st.engine_core_pid))
     time.sleep(r.t["asleep"])
     r.results["cuda_asleep"] = checks.cuda_counters(kvwatch_samples(), core)
     code, _ = post(vllm_url("/wake_up"), 120)
@@ -354,14 +357,21 @@ def plan_second(r: Run, st: State) -> None:
             shutil.copy(src, r.out / name)
     r.results["scenarios"] = checks.scenarios(st, WORK / "kvwatch.log", WORK / "requests_1.jsonl.gz")
     r.results["vllm_log"] = checks.vllm_log_facts(WORK / "vllm.log")
-    (WORK / "validation_2.json").write_text(json.dumps(r.results, indent=1, default=str))  # $OUT holds 8 files
+    r.dump_requests("requests_2.jsonl.gz")
+    r.save("validation_2.json", st)
+    shutil.copy(r.out / "validation_2.json", WORK / "validation_2.json")
+    r.pack_logs("logs_2.tar.gz")
+
+
+def plan_cost(r: Run, st: State) -> None:
+    """The third call: vLLM still runs; kvwatch is started and stopped round by round."""
     try:
         r.results["cost"] = cost(r, st)
     finally:
         stop(st.pids["vllm"], 60)
-        r.dump_requests("requests_2.jsonl.gz")
+        r.dump_requests("requests_3.jsonl.gz")
         r.save("validation.json", st)
-        r.pack_logs("logs_2.tar.gz", tuple((WORK / "cost").glob("kvwatch-*.log")))
+        r.pack_logs("logs_3.tar.gz", tuple((WORK / "cost").glob("kvwatch-*.log")))
         (r.out / "validation.md").write_text(checks.report(r.results))
 
 
@@ -381,15 +391,23 @@ def kvwatch_for_round(st: State, i: int) -> int:
 
 
 def cost(r: Run, st: State) -> dict[str, Any]:
-    """Rounds alternating kvwatch off/on (order swapped every round): steady then pressure."""
+    """Rounds alternating kvwatch off/on (order swapped every round): steady then pressure.
+    Every mode starts alike: the same idle settle (whether or not a daemon was being started
+    in it: the engine finishes the previous pressure phase's offload meanwhile) and a short
+    unmeasured steady load that brings the hot prefixes back."""
     rounds: list[dict[str, Any]] = []
-    per_round = r.t["round_steady"] + r.t["round_pressure"]
+    per_round = r.t["round_settle"] + r.t["round_warm"] + r.t["round_steady"] + r.t["round_pressure"]
     for i in range(r.args.rounds):
         for on in (False, True) if i % 2 == 0 else (True, False):
             if r.left() < per_round + 40:
                 st.note(f"cost: stopped after {len(rounds)} modes, device time nearly up")
                 return {"rounds": rounds}
+            t_settle = time.monotonic()
             pid = kvwatch_for_round(st, i) if on else 0
+            time.sleep(max(0.0, t_settle + r.t["round_settle"] - time.monotonic()))
+            warm = r.load.start(f"cost{i}-warm", STEADY)
+            time.sleep(r.t["round_warm"])
+            warm.stop()
             entry: dict[str, Any] = {"round": i, "kvwatch": on}
             loads = (("steady", STEADY, r.t["round_steady"]), ("pressure", PRESSURE, r.t["round_pressure"]))
             for name, w, secs in loads:
@@ -407,7 +425,7 @@ def cost(r: Run, st: State) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", choices=["first", "second", "all"], required=True)
+    ap.add_argument("--plan", choices=["first", "second", "cost", "all"], required=True)
     ap.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
     ap.add_argument("--vllm-site", default="/tmp/vsite")
     ap.add_argument("--model", default="/tmp/tiny")
@@ -417,8 +435,8 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds this call may take")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.plan == "second":
-        args.seed += 1  # fresh unique prompts: the first call's would hit what it left cached
+    # fresh unique prompts in each call: an earlier call's would hit what it left cached
+    args.seed += {"second": 1, "cost": 2}.get(args.plan, 0)
     r = Run(args)
     if args.plan in ("first", "all"):
         st = plan_first(r)
@@ -428,6 +446,12 @@ def main() -> None:
             first = WORK / "validation_1.json"
             r.results = json.loads(first.read_text()) if first.exists() else {}
         plan_second(r, st)
+    if args.plan in ("cost", "all"):
+        if args.plan == "cost":
+            st = State.load()
+            second = WORK / "validation_2.json"
+            r.results = json.loads(second.read_text()) if second.exists() else {}
+        plan_cost(r, st)
     print(json.dumps({"left_seconds": round(r.left()), "out": str(args.out)}), flush=True)
 
 

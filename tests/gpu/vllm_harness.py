@@ -312,6 +312,8 @@ class Poller(threading.Thread):
 
 KVWATCH_KEEP = (
     "kvwatch_alert_active",
+    "kvwatch_probe_hits_total",
+    "process_cpu_seconds_total",
     "kvwatch_cuda_",
     "kvwatch_alerts_fired_total",
     "kvwatch_kv_blocks_stored_total",
@@ -327,3 +329,12 @@ KVWATCH_KEEP = (
 
 def kvwatch_extract(text: str) -> list[Sample]:
     return [s for s in parse(text) if s[0].startswith(KVWATCH_KEEP)]
+
+
+def cuda_maps(pid: int) -> list[str]:
+    """The CUDA libraries a process mapped (which copy a loader that searches the maps finds)."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return sorted({ln.split()[-1] for ln in lines if "libcuda" in ln and ln.split()[-1].startswith("/")})

@@ -155,6 +155,25 @@ def test_two_runtimes_and_libraries_loaded_later(probes: CudaProbes, stub: Path)
         assert counts(probes, w.pid, "cudaMalloc")[1] == N
 
 
+def test_wheel_bundled_runtime_under_a_mangled_name(probes: CudaProbes, stub: Path, tmp_path: Path) -> None:
+    """auditwheel renames a bundled libcudart (libcudart-<hash>.so.N); a loader that looks for
+    "libcudart" in the maps (vLLM's) can call that copy: it is probed like the canonical one.
+    A name that only contains "libcudart" is not a runtime."""
+    mangled = tmp_path / "somewheel.libs" / "libcudart-9335f6a2.so.12.4.127"
+    mangled.parent.mkdir()
+    shutil.copy(stub / "libcudart.so.12", mangled)
+    stub_like = tmp_path / "libcudart_stub.so.12"
+    shutil.copy(stub / "libcudart.so.12", stub_like)
+    with Child("cudacalls", "--lib", str(mangled)) as w:
+        w.expect("ready")
+        w.step(f"map {stub_like}", "mapped")
+        att = probes.attach(w.pid)
+        assert str(mangled) in {x.path for x in att.libraries.values()}
+        assert str(stub_like) not in {x.path for x in att.libraries.values()}
+        w.step(f"call {N}", f"done {N} 0")
+        assert counts(probes, w.pid, "cudaMalloc")[0] == N
+
+
 def test_symbol_missing_in_an_old_runtime(probes: CudaProbes, tmp_path: Path) -> None:
     build(tmp_path, old_runtime=True)
     with Child("cudacalls", "--lib", str(tmp_path / "libcudart.so.12")) as w:

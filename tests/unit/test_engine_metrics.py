@@ -183,3 +183,13 @@ def test_vllm_offload_and_external_prefix_cache(flat: bool, labelled: bool) -> N
     assert (s.offload_store_bytes, s.offload_load_bytes) == (2_936_012_800, 157_286_400)  # never summed twice
     c = s.counters()
     assert c["engine_external_prefix_queries"] == 30_400 and c["engine_offload_load_bytes"] == 157_286_400
+
+
+def test_real_vllm_026_page() -> None:
+    """vLLM 0.26.0's own /metrics on the H200 after the validation run (tests/gpu/results): the
+    numbers kvwatch re-exported there matched these exactly; here the parser alone."""
+    s = parse_exposition((FIXTURES / "vllm-0.26.0.txt").read_text(), at=1.0)
+    assert (s.prefix_queries, s.prefix_hits) == (13_207_980, 6_291_648)
+    assert (s.external_queries, s.external_hits) == (6_528_096, 11_584)
+    assert (s.offload_store_bytes, s.offload_load_bytes) == (212_630_241_280, 2_162_688_000)
+    assert (s.preemptions, s.usage, s.sleeping, s.running, s.waiting) == (1136, 0.0, False, 0, 0)

@@ -314,3 +314,37 @@ def test_cpu_tier_judged_by_the_external_prefix_cache() -> None:
     assert onset.subject.labels["medium"] == "CPU"
     assert "kv_usage" not in onset.values and "preemptions_per_second" not in onset.values
     assert onset.cause == "unknown" and onset.values["hit_ratio"] == pytest.approx(0.05)
+
+
+def test_steady_turnover_above_the_floor_is_learnt_not_a_burst() -> None:
+    """A real vLLM at steady state evicts ~80 blocks/s (a full pool turning over: unique suffix
+    and generated blocks), above the 20/s floor from its first second. That is the baseline to
+    learn; judged against the floor alone it was a "burst" forever, the baseline was held at 0
+    and the hit ratio before a real burst was never recorded (the H200 run's findings showed
+    baseline_rate 0)."""
+    r = Run()
+    r.seconds(60, removed=80, hit=0.95)
+    assert r.onsets == 0
+    steady = r.log[-1].values
+    assert steady["baseline_rate"] == pytest.approx(80, rel=0.05)
+    assert steady["baseline_hit_ratio"] == pytest.approx(0.95, abs=0.01)
+    r.seconds(10, removed=3000, hit=0.1)
+    onset = next(f for f in r.log if f.firing)
+    assert onset.values["baseline_rate"] == pytest.approx(80, rel=0.05)
+    assert onset.values["reference_hit_ratio"] == pytest.approx(0.95, abs=0.01)
+
+
+def test_preemptions_alone_are_a_burst() -> None:
+    """vLLM preempting (19/s on the H200) with blocks evicted at only ~4x their normal rate: the
+    preempted requests' KV is what is thrown out (no BlockRemoved: freed blocks stay cached).
+    With the hit ratio down, it fires, cause thrash."""
+    r = Run(usage=0.5)
+    r.seconds(60, removed=80, hit=0.95)
+    r.eng.usage = 1.0
+    r.seconds(10, removed=300, hit=0.4, preempt=19)
+    onset = next(f for f in r.log if f.firing)
+    assert onset.cause == "thrash" and onset.values["eviction_rate"] < onset.values["threshold"]
+    assert onset.values["preemptions_per_second"] >= onset.values["preemption_threshold"]
+    r.eng.usage = 0.5
+    r.seconds(20, removed=80, hit=0.95)
+    assert not r.firing and r.onsets == 1

@@ -379,3 +379,22 @@ def test_fuzz_frames(parts: list[bytes]) -> None:
     for parse in (w.parse_frames, w.parse_replay):
         with contextlib.suppress(w.WireError):
             parse(parts)
+
+
+def test_real_vllm_026_frames() -> None:
+    """Frames as vLLM 0.26.0's publisher sent them on the H200 (GPU pool and OffloadingConnector
+    placeholders on medium CPU, a prefix-cache reset), each with the counts vLLM's own classes
+    decoded from it (tests/gpu/vllm_subscriber.py): kvwatch's decoder counts the same."""
+    cap = json.loads((Path(__file__).parent.parent / "fixtures" / "vllm_run" / "raw_frames.json").read_text())
+    dec = w.Decoder()
+    media: set[str] = set()
+    for f in cap["frames"]:
+        _topic, seq, payload = w.parse_frames([bytes.fromhex(x) for x in f["frames"]])
+        batch = dec.decode(payload)
+        assert seq == f["seq"] and batch.skipped == 0
+        got = count([batch])
+        want = f["expected"]
+        assert (got["stored"], got["removed"], got["cleared"]) == (want["stored"], want["removed"], want["cleared"])
+        assert len(batch.events) == want["events"]
+        media |= set(got["stored"]) | set(got["removed"])
+    assert media == {"GPU", "CPU"} and sum(f["expected"]["cleared"] for f in cap["frames"]) >= 1

@@ -1,0 +1,202 @@
+"""A real vLLM 0.26.0's KV event stream and /metrics, replayed at real speed to `kvwatch run`.
+
+The fixture (tests/fixtures/vllm_run/pressure.json.gz, cut by tests/tools/vllm_run_fixtures.py)
+is 135 s of the H200 validation run (tests/gpu/results/h200-2026-12-01-vllm): steady hot
+prefixes, 45 s of unique 900-token prompts at 32 concurrent, the hot prefixes again, then
+steady — every batch the engine published, at the second it arrived, and vLLM's /metrics page
+of every second. Here a publisher re-sends those batches in vLLM 0.26.0's wire format on their
+schedule and an HTTP server serves each page from its second on; kvwatch taps them as it
+would the engine (``[[engines.endpoints]]`` naming a stand-in process, no BPF, no root).
+
+What the real run showed must hold here: no alert while steady; KVEvictionBurst on medium GPU,
+cause pressure or thrash, within seconds of the pressure phase; cleared before the end; and
+every block counted exactly (the totals vLLM's own classes decoded in that window).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvwatch.daemon.kv_wire import Layout, cleared, removed, stored
+from kvwatch.daemon.vllm_publisher import WirePublisher
+
+from tests.privileged.helpers import DaemonProcess, daemon, free_port, wait_until
+from tests.tools.vllm_run_fixtures import uncompact
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "vllm_run" / "pressure.json.gz"
+ONSET_WITHIN = 15.0  # seconds after the pressure phase began (the real run: 3.1 s)
+
+CONFIG = """
+[daemon]
+tick_seconds = 1.0
+[discovery]
+interval_seconds = 0.5
+nvml = "off"
+[probes]
+memory = []
+cuda = false
+transfer = false
+[engines]
+endpoints = [{{ cmdline = "{marker}", kv_events = "{kv}", metrics_url = "{url}", engine = "vllm" }}]
+[detectors.eviction_burst]
+warmup_seconds = 0        # the window holds 35 s of steady load: learn from its first second
+baseline_min_seconds = 20
+"""
+
+
+class Pages:
+    """vLLM's /metrics as it was at each second of the replay."""
+
+    def __init__(self, pages: list[list[Any]]) -> None:
+        self.pages = pages
+        self.t0 = float("inf")  # until the replay starts: the first page
+
+    def now(self) -> bytes:
+        t = time.monotonic() - self.t0
+        text = self.pages[0][1]
+        for at, page in self.pages:
+            if at > t:
+                break
+            text = page
+        return str(text).encode()
+
+
+def serve(pages: Pages) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = pages.now()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def events(groups: list[list[Any]]) -> list[dict[str, Any]]:
+    out = []
+    for kind, medium, bs, ids in uncompact(groups):
+        if kind == "C":
+            out.append(cleared())
+        elif kind == "S":
+            out.append(stored(ids, [], medium=medium, block_size=bs))
+        else:
+            out.append(removed(ids, medium=medium))
+    return out
+
+
+def replay(pub: WirePublisher, batches: list[list[Any]], t0: float, watch: Any) -> None:
+    next_watch = t0
+    for at, _seq, ts, _rank, groups in batches:  # one data-parallel rank (0) in the run
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        pub.publish(events(groups), ts=ts)
+        if time.monotonic() >= next_watch:
+            watch(time.monotonic() - t0)
+            next_watch += 5.0
+    pub.flush()
+
+
+@pytest.fixture(scope="module")
+def run() -> dict[str, Any]:
+    with gzip.open(FIXTURE, "rt") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+@pytest.fixture
+def stand_in() -> Iterator[subprocess.Popen[bytes]]:
+    marker = f"vllm-replay-{free_port()}"
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)", marker])
+    p.marker = marker  # type: ignore[attr-defined]
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _onsets(d: DaemonProcess) -> list[dict[str, Any]]:
+    out = []
+    for line in d.log.read_text().splitlines():
+        if line.startswith("{") and '"alert firing"' in line:
+            e = json.loads(line)
+            e["wall"] = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.append(e)
+    return out
+
+
+def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_path: Path) -> None:
+    kv_port = free_port()
+    pages = Pages(run["pages"])
+    srv = serve(pages)
+    pub = WirePublisher(f"tcp://127.0.0.1:{kv_port}", layout=Layout.V0_26, topic="kv")
+    config = CONFIG.format(
+        marker=stand_in.marker, kv=f"tcp://127.0.0.1:{kv_port}", url=f"http://127.0.0.1:{srv.server_port}/metrics"
+    )
+    pid = str(stand_in.pid)
+    try:
+        with daemon(tmp_path, config) as d:
+            wait_until(lambda: d.value("kvwatch_kv_event_stream_connected", pid=pid) == 1, 30, "stream connected")
+            time.sleep(0.5)  # a SUB that just connected misses what is sent before its subscription lands
+            t0 = time.monotonic()
+            wall0 = time.time()
+            pages.t0 = t0
+            seen: list[tuple[float, float, float]] = []  # for the failure message: t, hit ratio, usage
+
+            def watch(t: float) -> None:
+                seen.append(
+                    (
+                        round(t),
+                        d.value("kvwatch_engine_prefix_cache_hit_ratio", pid=pid),
+                        d.value("kvwatch_kv_blocks_removed_total", pid=pid, medium="GPU"),
+                    )
+                )
+
+            replay(pub, run["batches"], t0, watch)
+            totals = run["totals"]
+            wait_until(
+                lambda: d.value("kvwatch_kv_event_batches_total", pid=pid) == totals["batches"], 60, "every batch"
+            )
+            left = t0 + run["window_seconds"] - time.monotonic()
+            time.sleep(max(left, 0.0) + 3.0)  # the last pages, and a tick after them
+            for medium in ("GPU", "CPU"):
+                for what in ("stored", "removed"):
+                    got = d.value(f"kvwatch_kv_blocks_{what}_total", pid=pid, medium=medium)
+                    assert got == totals[what][medium], (what, medium)
+            assert d.value("kvwatch_kv_event_gaps_total", pid=pid) == 0
+            onsets = _onsets(d)
+    finally:
+        pub.close()
+        srv.shutdown()
+    pressure = wall0 + run["marks"]["pressure_start"]
+    bursts = [e for e in onsets if e["alert"] == "KVEvictionBurst"]
+    assert [e for e in onsets if e["wall"] < pressure] == [], "an alert while steady"
+    assert len(bursts) == 1, ([(e["alert"], e["wall"] - pressure) for e in onsets], seen)
+    b = bursts[0]
+    latency = b["wall"] - pressure
+    assert 0 <= latency <= ONSET_WITHIN, f"onset {latency:.1f} s after the pressure phase began"
+    assert b["label_medium"] == "GPU" and b["cause"] in ("pressure", "thrash"), b
+    assert b["values"]["hit_ratio"] <= b["values"]["reference_hit_ratio"] - 0.3
+    resolved = [
+        line for line in d.log.read_text().splitlines() if '"alert resolved"' in line and '"KVEvictionBurst"' in line
+    ]
+    assert resolved, "the burst never cleared"
