@@ -7,7 +7,9 @@ succeeds, ~4 ns unprobed) and through the real libcudart.so.12 (calls fail fast 
 a GPU). Modes, interleaved by round: unwatched; watched with cuda_driver_api=auto (one
 probe pair per runtime call); watched with =all (the driver beneath probed too); and an
 unwatched process calling the same library while another process is watched (pid=
-filtering: it must pay nothing). Cost per call = watched - unwatched.
+filtering: it must pay nothing). Cost per call = watched - unwatched. Batched copies
+(cuMemcpyBatchAsync, vLLM's KV offload path) are timed per call for 1, 912 and 29,184
+copies: the probe reads the whole sizes array.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Loop:
 
 def measure(exe: Path, lib: str, mode: str, rounds: int) -> dict[str, float]:
     n = 200_000 if mode == "free0" else 100_000
+    if mode.startswith("batch:"):  # a call per KV transfer: fewer, and the larger, the fewer
+        n = max(200, 2_000_000 // max(int(mode[6:]), 1))
     auto = CudaProbes(CudaProbeOptions(driver_api="auto"))
     full = CudaProbes(CudaProbeOptions(driver_api="all"))
     auto.start()
@@ -106,6 +110,10 @@ def main() -> None:
             "stub cudaFree(NULL)": measure(exe, stub, "free0", args.rounds),
             "stub cudaMalloc+cudaFree": measure(exe, stub, "malloc", args.rounds),
         }
+        # vLLM's KV offload: one cuMemcpyBatchAsync per transfer job; the tiny model on the H200
+        # sent 912 entries (57 blocks x 16 layers) per prompt, up to ~29k in a pressure step
+        for entries in (1, 912, 29_184):
+            rows[f"stub cuMemcpyBatchAsync, {entries:,} copies"] = measure(exe, stub, f"batch:{entries}", args.rounds)
         real = real_cudart()
         if real:
             rows["real libcudart.so.12, error path (no GPU)"] = measure(exe, real, "malloc", args.rounds)
