@@ -264,7 +264,7 @@ def _structs(layout: Layout) -> dict[str, type[msgspec.Struct]]:
             block_hashes: list[Any]
             medium: str | None
 
-    elif layout is Layout.V0_26:  # a map's header counts the fields a struct could have: exact set
+    else:  # map events; a map's header counts the fields a struct could have: the exact set per release
 
         class BlockStored(KVCacheEvent):  # type: ignore[no-redef]
             block_hashes: list[Any]
@@ -286,31 +286,16 @@ def _structs(layout: Layout) -> dict[str, type[msgspec.Struct]]:
             group_idx: int | None = None
             locality: str | None = None
 
-    else:
+        if layout is Layout.V0_33:  # 0.26's fields, then those 0.33 appended
+            stored_026, removed_026 = BlockStored, BlockRemoved
 
-        class BlockStored(KVCacheEvent):  # type: ignore[no-redef]
-            block_hashes: list[Any]
-            parent_block_hash: Any
-            token_ids: list[int]
-            block_size: int
-            lora_id: int | None
-            medium: str | None
-            lora_name: str | None
-            extra_keys: list[Any] | None = None
-            group_idx: int | None = None
-            kv_cache_spec_kind: str | None = None
-            kv_cache_spec_sliding_window: int | None = None
-            locality: str | None = None
-            ownership: str | None = None
-            session_id: str | None = None
-            lookahead_token_ids: list[list[int]] | None = None
+            class BlockStored(stored_026):  # type: ignore[no-redef, valid-type, misc]
+                ownership: str | None = None
+                session_id: str | None = None
+                lookahead_token_ids: list[list[int]] | None = None
 
-        class BlockRemoved(KVCacheEvent):  # type: ignore[no-redef]
-            block_hashes: list[Any]
-            medium: str | None
-            group_idx: int | None = None
-            locality: str | None = None
-            ownership: str | None = None
+            class BlockRemoved(removed_026):  # type: ignore[no-redef, valid-type, misc]
+                ownership: str | None = None
 
     class AllBlocksCleared(KVCacheEvent):
         pass
