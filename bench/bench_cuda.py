@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvwatch.daemon.stublib import build
+from kvwatch.daemon.lab.stublib import build
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 
 

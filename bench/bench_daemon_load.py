@@ -58,7 +58,7 @@ def main() -> None:
     subprocess.run(["gcc", "-O2", "-o", str(exe), str(HERE / "paced_pages.c")], check=True)
     stub = tmp / "stub"
     stub.mkdir()
-    from kvwatch.daemon.stublib import build
+    from kvwatch.daemon.lab.stublib import build
 
     build(stub)
     rows: list[tuple[str, float, float, str]] = []
@@ -79,7 +79,7 @@ def main() -> None:
             w.wait()
             rows.append((f"{rate:,} page events/s (watched process)", cpu, rss, f"{got:,.0f} counted/s"))
         w2 = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.daemon.workloads", "cuda", "--lib-dir", str(stub), "--prealloc", "0"],
+            [sys.executable, "-m", "kvwatch.daemon.lab.workloads", "cuda", "--lib-dir", str(stub), "--prealloc", "0"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

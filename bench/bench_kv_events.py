@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import zmq
-from kvwatch.daemon.kv_events import KVEventHub, StreamSpec
-from kvwatch.daemon.kv_wire import Layout, encode_batch, removed, stored
+from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec
+from kvwatch.daemon.engines.wire import Layout, encode_batch, removed, stored
 
 STORED_PER_BATCH, BLOCKS_PER_STORE, REMOVED_PER_BATCH = 8, 4, 16
 EVENTS = STORED_PER_BATCH + REMOVED_PER_BATCH

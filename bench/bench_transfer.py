@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvwatch.daemon.stublib import build_transfer
+from kvwatch.daemon.lab.stublib import build_transfer
 from kvwatch.probes.transfer import TransferProbes
 
 
@@ -70,7 +70,7 @@ def per_call(rounds: int) -> dict[str, float]:
 
 def nixl_throughput(rounds: int, transfers: int) -> dict[str, float] | str:
     try:
-        from kvwatch.daemon.nixl_peer import NixlPeer, _nixl
+        from kvwatch.daemon.lab.nixl_peer import NixlPeer, _nixl
 
         _nixl()
     except ImportError as err:

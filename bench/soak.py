@@ -34,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvwatch.daemon.stublib import build
+from kvwatch.daemon.lab.stublib import build
 from prometheus_client.parser import text_string_to_metric_families
 
 PY = sys.executable
@@ -110,7 +110,7 @@ class Workload:
     @staticmethod
     def _start(*args: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [PY, "-m", "kvwatch.daemon.workloads", *args],
+            [PY, "-m", "kvwatch.daemon.lab.workloads", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,

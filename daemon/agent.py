@@ -2,7 +2,7 @@
 
 The loop owns the detectors, windows and alerts; the HTTP server and other readers
 only see the immutable ``Snapshot`` it publishes. Work that blocks in the kernel or on
-the network runs beside it: each uprobe family's attacher (daemon/families.py), the KV
+the network runs beside it: each uprobe family's attacher (daemon/families/runner.py), the KV
 event hub, the engine scraper and the Alertmanager sender; the loop reads what they
 publish.
 """
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import structlog
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.cuda_tracking import CudaTracker
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
@@ -27,8 +26,10 @@ from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engine_taps import EngineTaps
-from kvwatch.daemon.families import UprobeFamily
+from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.families.cuda import CudaTracker
+from kvwatch.daemon.families.runner import UprobeFamily
+from kvwatch.daemon.families.transfer import TransferTracker, link_bytes_per_second
 from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.nvml import Nvml
@@ -39,7 +40,6 @@ from kvwatch.daemon.publish import build_snapshot, process_labels
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
-from kvwatch.daemon.transfer_tracking import TransferTracker, link_bytes_per_second
 from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.errors import ProbeError

@@ -166,14 +166,14 @@ def cmd_record(config: Config, args: argparse.Namespace) -> int:
 
 def cmd_doctor(config: Config, args: argparse.Namespace) -> int:
     logs.configure(config.daemon.log_format, config.daemon.log_level)
-    from kvwatch.daemon.doctor import run_doctor  # noqa: PLC0415 - subcommand on demand
+    from kvwatch.daemon.doctor.main import run_doctor  # noqa: PLC0415 - subcommand on demand
 
     return run_doctor(config, as_json=args.json, oom_canary=not args.no_oom_canary)
 
 
 def cmd_demo(config: Config, args: argparse.Namespace) -> int:
     logs.configure(config.daemon.log_format, config.daemon.log_level)
-    from kvwatch.daemon.demo import run_demo  # noqa: PLC0415 - subcommand on demand
+    from kvwatch.daemon.lab.demo import run_demo  # noqa: PLC0415 - subcommand on demand
 
     return run_demo(config, args)
 

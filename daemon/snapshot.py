@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.alerts import Alert
-from kvwatch.daemon.engine_taps import EngineView
+from kvwatch.daemon.engines.taps import EngineView
 from kvwatch.probes.cuda import ApiCounters
 from kvwatch.probes.transfer import XferCounters
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvwatch.daemon.cuda_tracking import SEGMENT_ALLOCS, SEGMENT_FREES
+from kvwatch.daemon.families.cuda import SEGMENT_ALLOCS, SEGMENT_FREES
 from kvwatch.daemon.snapshot import ProcessView, Snapshot
 from kvwatch.probes.transfer import TransferDone
 

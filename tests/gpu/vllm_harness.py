@@ -236,7 +236,7 @@ def vllm_argv(engine: str, model: str, sleep_mode: bool) -> list[str]:
         # run as a console script named vllm, as pip installs vLLM (discovery's rule for it)
         script = WORK / "bin" / "vllm"
         script.parent.mkdir(parents=True, exist_ok=True)
-        script.write_text(f"#!{sys.executable}\nfrom kvwatch.daemon.engine_sim_cli import main\n\nmain()\n")
+        script.write_text(f"#!{sys.executable}\nfrom kvwatch.daemon.lab.engine_sim_cli import main\n\nmain()\n")
         script.chmod(0o755)
         return [str(script), *common, "--serve-until-signal"]
     return ["python3", "-m", "vllm.entrypoints.cli.main", *common]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.engine_sim_cli import SimulatedEngineProcess
+from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 
 from tests.privileged.helpers import DaemonProcess, daemon, free_port, wait_until
 

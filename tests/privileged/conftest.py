@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.stublib import build
+from kvwatch.daemon.lab.stublib import build
 
 
 @pytest.fixture(scope="session")

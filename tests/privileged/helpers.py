@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvwatch.daemon.workloads import Workload
+from kvwatch.daemon.lab.workloads import Workload
 from kvwatch.probes.tracefs import tracefs_root
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.stublib import build
+from kvwatch.daemon.lab.stublib import build
 from kvwatch.probes.cuda import (
     CUDA_APIS,
     AllocationFailed,

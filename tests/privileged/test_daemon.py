@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.memcg import MemoryCgroup
-from kvwatch.daemon.workloads import MIB, drop_file_cache, make_files, resident_total
+from kvwatch.daemon.lab.memcg import MemoryCgroup
+from kvwatch.daemon.lab.workloads import MIB, drop_file_cache, make_files, resident_total
 from kvwatch.probes.tracefs import bcc_probe_events_of
 
 from tests.privileged.helpers import (

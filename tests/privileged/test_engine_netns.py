@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvwatch.daemon.engine_sim_cli import SimulatedEngineProcess
-from kvwatch.daemon.netlab import pod_netns
+from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
+from kvwatch.daemon.lab.netlab import pod_netns
 
 from tests.integration.test_engine_daemon import CONFIG, kv_config, quiesce
 from tests.privileged.helpers import daemon, wait_until

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.memcg import MemoryCgroup
+from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.libs import LibraryError
 from kvwatch.probes.tracefs import bcc_probe_events_of
@@ -74,7 +74,14 @@ def test_process_exits_during_resolution_and_attach(stub: Path) -> None:
         rnd = random.Random(23)
         for _ in range(23):
             child = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch.daemon.workloads", "cudacalls", "--lib", str(stub / "libcudart.so.12")],
+                [
+                    sys.executable,
+                    "-m",
+                    "kvwatch.daemon.lab.workloads",
+                    "cudacalls",
+                    "--lib",
+                    str(stub / "libcudart.so.12"),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

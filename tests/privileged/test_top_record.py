@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.nixl_peer import NixlPeer
-from kvwatch.daemon.workloads import MIB, make_files, resident_total
+from kvwatch.daemon.lab.nixl_peer import NixlPeer
+from kvwatch.daemon.lab.workloads import MIB, make_files, resident_total
 
 from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, free_port, wait_until
 from tests.trace_format import problems

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.netlab import Link, veth_pair
-from kvwatch.daemon.nixl_peer import NixlPeer
+from kvwatch.daemon.lab.netlab import Link, veth_pair
+from kvwatch.daemon.lab.nixl_peer import NixlPeer
 
 from tests.privileged.helpers import DaemonProcess, daemon, wait_until
 

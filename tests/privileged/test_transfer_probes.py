@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.nixl_peer import NixlPeer
-from kvwatch.daemon.stublib import build_transfer
+from kvwatch.daemon.lab.nixl_peer import NixlPeer
+from kvwatch.daemon.lab.stublib import build_transfer
 from kvwatch.probes.libs import read_symbols
 from kvwatch.probes.records import HookState
 from kvwatch.probes.transfer import TRANSFER_APIS, TransferProbeOptions, TransferProbes

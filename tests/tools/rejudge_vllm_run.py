@@ -22,7 +22,7 @@ from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.engine_metrics import parse_exposition
+from kvwatch.daemon.engines.metrics import parse_exposition
 from kvwatch.daemon.series import SeriesSet
 
 THRASH_SECONDS = 10.0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from kvwatch.daemon.engine_metrics import EngineSample, EngineScraper, ScrapeTarget, parse_exposition
+from kvwatch.daemon.engines.metrics import EngineSample, EngineScraper, ScrapeTarget, parse_exposition
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engine_taps import (
+from kvwatch.daemon.engines.taps import (
     EngineTaps,
     Reach,
     data_parallel_ranks,
@@ -304,7 +304,7 @@ class _Sleeping(_Recorder):
         self.at = 0.0
 
     def states(self) -> dict[Any, Any]:
-        from kvwatch.daemon.engine_metrics import EngineSample, TargetState
+        from kvwatch.daemon.engines.metrics import EngineSample, TargetState
 
         return {t: TargetState(t, 1, {}, EngineSample(at=self.at, sleeping=True)) for t in self.targets}
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.alerts import Alert
-from kvwatch.daemon.engine_metrics import EngineSample, ScrapeTarget, TargetState
-from kvwatch.daemon.engine_taps import EnginePlan, EngineView
-from kvwatch.daemon.kv_events import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.kv_events import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.metrics import EngineSample, ScrapeTarget, TargetState
+from kvwatch.daemon.engines.taps import EnginePlan, EngineView
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry

@@ -19,9 +19,9 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvwatch.daemon import kv_wire as w
-from kvwatch.daemon.kv_events import KVEventHub, StreamSpec, StreamStats
-from kvwatch.daemon.vllm_publisher import WirePublisher
+from kvwatch.daemon.engines import wire as w
+from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec, StreamStats
+from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.privileged.helpers import free_port, wait_until
 

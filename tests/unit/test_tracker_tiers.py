@@ -278,7 +278,7 @@ def test_decode_garbage_never_crashes(data: bytes) -> None:
 
 
 def test_memory_cgroup_v2_and_v1_files(tmp_path: Path) -> None:
-    from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
+    from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 
     v2 = tmp_path / "v2"
     v2.mkdir()

@@ -8,8 +8,8 @@ from kvwatch.daemon.config import TransferCollapseConfig
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.transfer_collapse import ALERT, TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.families.transfer import link_bytes_per_second
 from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.transfer_tracking import link_bytes_per_second
 
 MB = 1e6
 

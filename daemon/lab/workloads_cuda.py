@@ -1,4 +1,4 @@
-"""CUDA allocator workloads for `python -m kvwatch.daemon.workloads cuda|cudacalls` (stub or real runtime)."""
+"""CUDA allocator workloads for `python -m kvwatch.daemon.lab.workloads cuda|cudacalls` (stub or real runtime)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwatch.daemon.workloads import MIB, PAGE, _say
+from kvwatch.daemon.lab.workloads import MIB, PAGE, _say
 
 
 class _Cuda:

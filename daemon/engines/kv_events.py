@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import structlog
 import zmq
-from kvwatch.daemon.kv_wire import (
+from kvwatch.daemon.engines.wire import (
     CLEARED,
     REMOVED,
     STORED,

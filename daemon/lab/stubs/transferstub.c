@@ -1,5 +1,5 @@
 /* Stand-ins for the KV-transfer libraries, for tests and `kvwatch demo` without NIXL,
- * RDMA hardware or GPUs. Built by kvwatch.daemon.stublib, one library per section:
+ * RDMA hardware or GPUs. Built by kvwatch.daemon.lab.stublib, one library per section:
  *   KVWSTUB_NIXL   libnixl.so      nixlAgent::postXferReq / getXferStatus / releaseXferReq
  *                                  (exported under their C++ mangled names), calling
  *   KVWSTUB_UCP    libucp.so.0     ucp_put_nbx / ucp_get_nbx beneath, like NIXL's UCX backend

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
+from kvwatch.daemon.families.tracking import Attached, FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcessIdentity
-from kvwatch.daemon.uprobe_tracking import Attached, FamilyTracker
 from kvwatch.probes.cuda import AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
 
 log = structlog.get_logger("kvwatch.cuda")

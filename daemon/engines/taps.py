@@ -31,8 +31,8 @@ from typing import Any
 
 import structlog
 from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
-from kvwatch.daemon.engine_metrics import EngineSample, EngineScraper, ScrapeTarget, TargetState
-from kvwatch.daemon.kv_events import KVEventHub, StreamSpec, StreamStats
+from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec, StreamStats
+from kvwatch.daemon.engines.metrics import EngineSample, EngineScraper, ScrapeTarget, TargetState
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.tracker import Tracked

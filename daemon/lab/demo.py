@@ -27,13 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.engine_sim_cli import SimulatedEngineProcess
-from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
-from kvwatch.daemon.netlab import veth_pair
-from kvwatch.daemon.nixl_peer import NixlPeer
+from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
+from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
+from kvwatch.daemon.lab.netlab import veth_pair
+from kvwatch.daemon.lab.nixl_peer import NixlPeer
+from kvwatch.daemon.lab.stublib import StubBuildError, build, build_transfer
+from kvwatch.daemon.lab.workloads import MIB, Workload, drop_file_cache, make_files
 from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.daemon.stublib import StubBuildError, build, build_transfer
-from kvwatch.daemon.workloads import MIB, Workload, drop_file_cache, make_files
 
 DEMO_RULES = [
     {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom|cuda|xferstub)\b"},

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvwatch.daemon.engine_sim import BLOCK_BYTES, SimulatedVllm
-from kvwatch.daemon.kv_wire import Layout
+from kvwatch.daemon.engines.wire import Layout
+from kvwatch.daemon.lab.engine_sim import BLOCK_BYTES, SimulatedVllm
 
 
 @dataclass(slots=True)
@@ -193,7 +193,7 @@ class SimulatedEngineProcess:
 
         workdir.mkdir(parents=True, exist_ok=True)
         script = workdir / "vllm"
-        script.write_text(f"#!{sys.executable}\nfrom kvwatch.daemon.engine_sim_cli import main\n\nmain()\n")
+        script.write_text(f"#!{sys.executable}\nfrom kvwatch.daemon.lab.engine_sim_cli import main\n\nmain()\n")
         script.chmod(0o755)
         argv = [str(script), "serve", "demo-model", "--port", str(http_port), "--capacity", str(capacity)]
         argv += ["--layout", layout.value, *extra]

@@ -1,4 +1,4 @@
-"""Transfer-library workloads for `python -m kvwatch.daemon.workloads xferstub` (the stub NIXL/UCX/verbs/NCCL)."""
+"""Transfer-library workloads for `python -m kvwatch.daemon.lab.workloads xferstub` (the stub NIXL/UCX/verbs/NCCL)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwatch.daemon.workloads import _say
+from kvwatch.daemon.lab.workloads import _say
 
 
 class _TransferStub:

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from kvwatch.daemon.agent import memory_options
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.doctor_checks import FAIL, INFO, OK, SKIP, WARN, Check
-from kvwatch.daemon.doctor_cuda import cuda_canaries
-from kvwatch.daemon.doctor_engines import engine_canaries
-from kvwatch.daemon.doctor_transfer import transfer_canaries
-from kvwatch.daemon.memcg import CgroupUnavailable, MemoryCgroup
-from kvwatch.daemon.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
+from kvwatch.daemon.doctor.checks import FAIL, INFO, OK, SKIP, WARN, Check
+from kvwatch.daemon.doctor.cuda import cuda_canaries
+from kvwatch.daemon.doctor.engines import engine_canaries
+from kvwatch.daemon.doctor.transfer import transfer_canaries
+from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
+from kvwatch.daemon.lab.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
 from kvwatch.probes import tracefs
 from kvwatch.probes.memory import MemoryProbes, kernel_dev
 from kvwatch.probes.records import (

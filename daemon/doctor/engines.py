@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.doctor_checks import FAIL, OK, SKIP, Check
-from kvwatch.daemon.engine_metrics import EngineScraper, ScrapeTarget
-from kvwatch.daemon.engine_sim import SimulatedVllm
-from kvwatch.daemon.kv_events import KVEventHub, StreamSpec
+from kvwatch.daemon.doctor.checks import FAIL, OK, SKIP, Check
+from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec
+from kvwatch.daemon.engines.metrics import EngineScraper, ScrapeTarget
+from kvwatch.daemon.lab.engine_sim import SimulatedVllm
 
 CANARY = 23
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvwatch.daemon.families.tracking import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.uprobe_tracking import FamilyTracker
 from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferDone, TransferProbes
 
 PENDING_SWEEP_SECONDS = 5.0

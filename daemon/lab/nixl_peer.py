@@ -1,7 +1,7 @@
 """Two NIXL agents moving DRAM buffers over UCX, with the application's own numbers.
 
-    python -m kvwatch.daemon.nixl_peer target    --meta FILE --size BYTES
-    python -m kvwatch.daemon.nixl_peer initiator --meta FILE --size BYTES [--handles K]
+    python -m kvwatch.daemon.lab.nixl_peer target    --meta FILE --size BYTES
+    python -m kvwatch.daemon.lab.nixl_peer initiator --meta FILE --size BYTES [--handles K]
 
 The target registers a buffer and publishes its agent metadata and descriptors
 in FILE; the initiator loads them and WRITEs its buffer into the target's. The
@@ -173,7 +173,7 @@ class NixlPeer:
         cmd = [
             sys.executable,
             "-m",
-            "kvwatch.daemon.nixl_peer",
+            "kvwatch.daemon.lab.nixl_peer",
             role,
             "--meta",
             str(meta),
@@ -228,7 +228,7 @@ class NixlPeer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvwatch.daemon.nixl_peer")
+    p = argparse.ArgumentParser(prog="python -m kvwatch.daemon.lab.nixl_peer")
     p.add_argument("role", choices=["target", "initiator"])
     p.add_argument("--meta", required=True)
     p.add_argument("--size", type=int, default=64 << 20)

@@ -16,9 +16,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
+from kvwatch.daemon.families.tracking import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.tracker import Tracked
-from kvwatch.daemon.uprobe_tracking import FamilyTracker
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.uprobes import PerProcessUprobes
 

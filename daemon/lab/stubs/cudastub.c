@@ -1,6 +1,6 @@
 /* A stand-in CUDA runtime + driver for machines without a GPU.
  *
- * Built twice by kvwatch.daemon.stublib: as libcuda.so.1 (driver symbols) and
+ * Built twice by kvwatch.daemon.lab.stublib: as libcuda.so.1 (driver symbols) and
  * as libcudart.so.12 (runtime symbols, linked against the former), so that the
  * runtime calls the driver beneath it exactly like the real libraries do and
  * kvwatch's no-double-counting path is exercised. Every call succeeds, unless

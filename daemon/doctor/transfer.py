@@ -8,9 +8,9 @@ import tempfile
 from pathlib import Path
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.doctor_checks import FAIL, OK, SKIP, Check
-from kvwatch.daemon.stublib import StubBuildError, build_transfer
-from kvwatch.daemon.workloads import Workload
+from kvwatch.daemon.doctor.checks import FAIL, OK, SKIP, Check
+from kvwatch.daemon.lab.stublib import StubBuildError, build_transfer
+from kvwatch.daemon.lab.workloads import Workload
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.records import HookState
 from kvwatch.probes.transfer import TransferProbes

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 import zmq
-from kvwatch.daemon.kv_wire import END_SEQ, SEQ_BYTES, Layout, encode_batch
+from kvwatch.daemon.engines.wire import END_SEQ, SEQ_BYTES, Layout, encode_batch
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Workloads with known numbers, for ``kvwatch doctor``, ``kvwatch demo`` and the tests.
 
-Run as ``python -m kvwatch.daemon.workloads <name> ...``. Each child waits for
+Run as ``python -m kvwatch.daemon.lab.workloads <name> ...``. Each child waits for
 a line on stdin before every phase, so the parent can move it into a cgroup and
 start watching it first; it reports each phase done with one line on stdout.
 """
@@ -44,7 +44,7 @@ class Workload:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.daemon.workloads", *args],
+            [sys.executable, "-m", "kvwatch.daemon.lab.workloads", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -254,7 +254,7 @@ CUDA_PATTERNS = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvwatch.daemon.workloads")
+    p = argparse.ArgumentParser(prog="python -m kvwatch.daemon.lab.workloads")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("pages")
     s.add_argument("pages", type=int)
@@ -277,11 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--prealloc", type=int, default=4)
     args = p.parse_args(argv)
     if args.cmd in ("cuda", "cudacalls"):
-        from kvwatch.daemon import workloads_cuda as mod  # noqa: PLC0415 - only these need CUDA stubs
+        from kvwatch.daemon.lab import workloads_cuda as mod  # noqa: PLC0415 - only these need CUDA stubs
 
         {"cuda": mod.cmd_cuda, "cudacalls": mod.cmd_cudacalls}[args.cmd](args)
     elif args.cmd in ("xferstub", "ncclcalls"):
-        from kvwatch.daemon import workloads_xfer as xfer  # noqa: PLC0415
+        from kvwatch.daemon.lab import workloads_xfer as xfer  # noqa: PLC0415
 
         {"xferstub": xfer.cmd_xferstub, "ncclcalls": xfer.cmd_ncclcalls}[args.cmd](args)
     else:

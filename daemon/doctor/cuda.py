@@ -12,9 +12,9 @@ import tempfile
 from pathlib import Path
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.doctor_checks import FAIL, OK, SKIP, Check
-from kvwatch.daemon.stublib import StubBuildError, build
-from kvwatch.daemon.workloads import Workload
+from kvwatch.daemon.doctor.checks import FAIL, OK, SKIP, Check
+from kvwatch.daemon.lab.stublib import StubBuildError, build
+from kvwatch.daemon.lab.workloads import Workload
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.libs import CUDART

@@ -1,0 +1,1 @@
+"""`kvwatch doctor`: prerequisites, then a canary per probe."""

@@ -1,0 +1,1 @@
+"""Uprobe probe families as the agent runs them: attach in the background, per-process tracking."""
