@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = r"""
 [discovery]
 interval_seconds = 1
-rules = [{ engine = "bench", cmdline = '(paced_pages|kvwatch\.daemon\.workloads\s+cuda)\b' }]
+rules = [{ engine = "bench", cmdline = '(paced_pages|kvwatch\.daemon\.lab\.workloads\s+cuda)\b' }]
 """
 
 

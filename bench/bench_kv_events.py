@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import zmq
-from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec
+from kvwatch.daemon.engines.kv_events import KVEventHub
+from kvwatch.daemon.engines.records import StreamSpec
 from kvwatch.daemon.engines.wire import Layout, encode_batch, removed, stored
 
 STORED_PER_BATCH, BLOCKS_PER_STORE, REMOVED_PER_BATCH = 8, 4, 16

@@ -35,10 +35,11 @@ import urllib.request
 from pathlib import Path
 
 from kvwatch.daemon.lab.stublib import build
+from kvwatch.daemon.lab.workloads import workload_pattern
 from prometheus_client.parser import text_string_to_metric_families
 
 PY = sys.executable
-RULE = r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(pages|cuda)\b"
+RULE = workload_pattern("pages", "cuda")
 
 
 def free_port() -> int:

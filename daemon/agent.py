@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.base import Finding, Subject
-from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
-from kvwatch.daemon.detectors.host_tier import HostTierEviction
-from kvwatch.daemon.detectors.oom import OOMKilled
-from kvwatch.daemon.detectors.probe_down import ProbeDown
-from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
-from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
+from kvwatch.daemon.detectors.registry import build_detectors
 from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.taps import EngineTaps
@@ -41,9 +36,9 @@ from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.bpf import release_compiler_memory
-from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
+from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.errors import ProbeError
-from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes
+from kvwatch.probes.memory import HOOKS, MemoryProbes
 from kvwatch.probes.records import (
     HookState,
     HookStatus,
@@ -53,8 +48,9 @@ from kvwatch.probes.records import (
     ProcessExited,
     ProcessForked,
     ProcessRenamed,
+    TransferDone,
 )
-from kvwatch.probes.transfer import TransferProbeOptions, TransferProbes
+from kvwatch.probes.transfer import TransferProbes
 
 log = structlog.get_logger("kvwatch.agent")
 
@@ -68,27 +64,15 @@ PROCESS_TOTALS = (
 )
 
 
-def cuda_options(config: Config) -> CudaProbeOptions:
-    return CudaProbeOptions(
-        max_ledger=config.probes.cuda_max_ledger,
-        max_processes=max(1024, config.discovery.max_processes * 2),
-        driver_api=config.probes.cuda_driver_api,
-    )
-
-
-def memory_options(config: Config) -> MemoryProbeOptions:
-    return MemoryProbeOptions(
-        features=frozenset(config.probes.memory),
-        max_watched=max(4096, config.discovery.max_processes * 4),
-        max_kv_inodes=config.kv_tiers.max_files,
-        max_evicted=config.probes.max_evicted_pages_tracked,
-        ringbuf_pages=config.probes.ringbuf_pages,
-    )
-
-
 @dataclass(slots=True)
 class _Published:
     snapshot: Snapshot
+
+
+@dataclass(slots=True)
+class _Subscriber:
+    on_tick: Callable[[Snapshot], None]
+    on_transfers: Callable[[list[TransferDone]], None] | None
 
 
 class Agent:
@@ -147,12 +131,7 @@ class Agent:
         )
         self.tiers: KVTierRegistry | None = None
         self.pressure = PressureReader(config.discovery.proc_root)
-        self.host_tier = HostTierEviction(config.detectors.host_tier_eviction)
-        self.oom = OOMKilled(config.detectors.oom)
-        self.reuse = ReuseCollapse(config.detectors.reuse_collapse)
-        self.transfer_collapse = TransferCollapse(config.detectors.transfer_collapse, self.link_bytes_per_second)
-        self.probe_down = ProbeDown()
-        self.eviction = EvictionBurst(config.detectors.eviction_burst)
+        self.detectors = build_detectors(config.detectors, self.link_bytes_per_second)
         self.engines = engines
         if engines is not None:
             engines.errors = self.errors  # one error book for the whole loop
@@ -163,8 +142,7 @@ class Agent:
         self.tier_first_seen: dict[int, float] = {}
         self.oom_kills: dict[tuple[str, str, str, str], int] = {}
         self._pending_oom: list[OomEvent] = []
-        # called in the loop's thread with each published snapshot (kvwatch record)
-        self.tick_hooks: list[Callable[[Snapshot], None]] = []
+        self._subscribers: list[_Subscriber] = []
         self._sample: MemorySample | None = None
         self._next_scan = 0.0
         self._tick = 0
@@ -221,6 +199,56 @@ class Agent:
     @property
     def snapshot(self) -> Snapshot:
         return self._published.snapshot
+
+    # --- what the snapshot is built from (publish.py) ---------------------------------------------
+    @property
+    def tick_count(self) -> int:
+        return self._tick
+
+    @property
+    def memory_sample(self) -> MemorySample | None:
+        """The kernel-memory family's last sample (hits and losses of its hooks)."""
+        return self._sample
+
+    @property
+    def userspace_lost(self) -> dict[str, int]:
+        """Events dropped on this side of the ring buffer (malformed)."""
+        return dict(self._lost_userspace)
+
+    # --- subscribers: called in the loop's thread after each published snapshot ----------------------
+    def subscribe(
+        self, on_tick: Callable[[Snapshot], None], on_transfers: Callable[[list[TransferDone]], None] | None = None
+    ) -> Callable[[], None]:
+        """``on_tick`` after every snapshot; ``on_transfers`` with the KV transfers completed since
+        the last tick, one record each (this turns on per-transfer events in the kernel while
+        subscribed). Returns the unsubscribe."""
+        sub = _Subscriber(on_tick, on_transfers)
+        self._subscribers.append(sub)
+        tt = self.transfer_tracker
+        if on_transfers is not None and tt is not None:
+            tt.probes.set_emit_events(True)
+            tt.events.clear()
+
+        def unsubscribe() -> None:
+            if sub in self._subscribers:
+                self._subscribers.remove(sub)
+            if tt is not None and not any(s.on_transfers for s in self._subscribers):
+                tt.probes.set_emit_events(False)
+
+        return unsubscribe
+
+    def _notify(self, snap: Snapshot) -> None:
+        tt = self.transfer_tracker
+        done: list[TransferDone] = []
+        if tt is not None and any(s.on_transfers for s in self._subscribers):
+            done, tt.events = tt.events, []
+        for sub in list(self._subscribers):
+            try:
+                sub.on_tick(snap)
+                if sub.on_transfers is not None:
+                    sub.on_transfers(done)
+            except Exception as err:
+                self.errors.record("subscriber", "a snapshot subscriber failed", err)
 
     def run(self, stop: threading.Event) -> None:
         """Tick until ``stop`` is set; between ticks, drain ring buffers as events arrive.
@@ -300,18 +328,12 @@ class Agent:
         self.alerts.apply(findings, self.wall())
         self.tracker.expire()
         for gone in self.tracker.take_removed():
-            self.host_tier.forget(gone.key)
-            self.reuse.forget(gone.key)
-            self.transfer_collapse.forget(gone.key)
-            self.eviction.forget(gone.key)
+            for d in self.detectors:
+                d.forget(gone.key)
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
-        for hook in list(self.tick_hooks):
-            try:
-                hook(snap)
-            except Exception as err:
-                self.errors.record("tick_hook", "a tick hook failed", err)
+        self._notify(snap)
         return snap
 
     def _drain_events(self) -> None:
@@ -419,7 +441,7 @@ class Agent:
             self.tier_first_seen.setdefault(tier_id, now)
             series.add(now, pages)
 
-    def _tier_owners(self, tier: Tier) -> list[Tracked]:
+    def tier_owners(self, tier: Tier) -> list[Tracked]:
         """Processes a tier belongs to: named by their environment or config, or seen
         (by the kernel) bringing the tier's pages into the page cache."""
         readers = self._sample.tier_readers if self._sample else {}
@@ -450,7 +472,7 @@ class Agent:
                 series = self.tier_series.get(tier.tier_id)
                 if series is None:
                     continue
-                owners = tuple(procs[t.key] for t in self._tier_owners(tier))
+                owners = tuple(procs[t.key] for t in self.tier_owners(tier))
                 labels = {"tier": tier.name}
                 if owners:
                     labels.update(owners[0].subject.labels)
@@ -466,17 +488,11 @@ class Agent:
             tiers=tiers,
             psi_memory_some_avg10=self.pressure.node(),
             oom_events=self._pending_oom,
+            probes=self.statuses,
+            probe_hits=self._sample.hits if self._sample else {},
         )
         self._pending_oom = []
-        hits = self._sample.hits if self._sample else {}
-        return (
-            self.host_tier.evaluate(view)
-            + self.reuse.evaluate(view)
-            + self.transfer_collapse.evaluate(view)
-            + self.eviction.evaluate(view)
-            + self.oom.evaluate(view)
-            + self.probe_down.evaluate(self.statuses, hits, now)
-        )
+        return [f for d in self.detectors for f in d.evaluate(view)]
 
     # --- publishing -----------------------------------------------------------------------------
     def not_ready_reasons(self) -> tuple[str, ...]:
@@ -492,36 +508,3 @@ class Agent:
 
     def _build_snapshot(self, now: float, loop_seconds: float) -> Snapshot:
         return build_snapshot(self, now, loop_seconds)
-
-
-def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True) -> Agent:
-    """The production wiring: real probes, real /proc, NVML when present."""
-    memory = MemoryProbes(memory_options(config)) if use_bpf and config.probes.memory else None
-    cuda = (
-        CudaProbes(cuda_options(config), proc_root=config.discovery.proc_root)
-        if use_bpf and config.probes.cuda
-        else None
-    )
-    nvml = None
-    if config.discovery.nvml != "off":
-        nvml, reason = Nvml.open()
-        if nvml is None:
-            level = log.warning if config.discovery.nvml == "on" else log.info
-            level("NVML not used", reason=reason)
-    transfer = (
-        TransferProbes(
-            TransferProbeOptions(pending_timeout_seconds=config.probes.transfer_pending_timeout_seconds),
-            proc_root=config.discovery.proc_root,
-        )
-        if use_bpf and config.probes.transfer
-        else None
-    )
-    engines = None
-    if config.engines.kv_events or config.engines.metrics:
-        engines = EngineTaps(config.engines, ProcFS(config.discovery.proc_root), ErrorBook())
-    all_sinks = list(sinks)
-    if config.alerts.alertmanager.url:
-        from kvwatch.exporters.alertmanager import AlertmanagerSink  # noqa: PLC0415 - only when configured
-
-        all_sinks.append(AlertmanagerSink(config.alerts.alertmanager))
-    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, engines=engines, nvml=nvml, sinks=all_sinks)

@@ -3,35 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import structlog
 from kvwatch.daemon.detectors.base import Finding
+from kvwatch.daemon.records import ALERT_NAMES, Alert
 
 log = structlog.get_logger("kvwatch.alerts")
-
-ALERT_NAMES = (
-    "KVEvictionBurst",
-    "KVCacheReuseCollapse",
-    "KVHostTierEvictionUnderPressure",
-    "KVTransferBandwidthCollapse",
-    "InferenceProcessOOMKilled",
-    "KVWatchProbeDown",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Alert:
-    alert: str
-    subject_key: str
-    labels: Mapping[str, str]
-    cause: str
-    severity: str
-    started_at: float  # wall-clock seconds
-    values: Mapping[str, float]
-    summary: str
-    ended_at: float | None = None
 
 
 class AlertSink(Protocol):
@@ -40,6 +19,13 @@ class AlertSink(Protocol):
     def clear(self, alert: Alert) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class CountingSink(Protocol):
+    """A sink that counts what it delivered (the Alertmanager sender): its counts are published."""
+
+    stats: Mapping[str, int]
 
 
 class LogSink:
@@ -133,6 +119,10 @@ class AlertBook:
             ended = replace(self.active.pop(key), ended_at=wall_now)
             self._remember(ended)
             self._notify("clear", ended)
+
+    def sink_stats(self) -> dict[str, int] | None:
+        """The delivery counts of the first sink that keeps them (sent / failed / dropped)."""
+        return next((dict(s.stats) for s in self.sinks if isinstance(s, CountingSink)), None)
 
     def close(self) -> None:
         for sink in self.sinks:

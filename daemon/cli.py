@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import structlog
 from kvwatch.daemon import logs
-from kvwatch.daemon.config import Config, ConfigError, load_config, parse_listen
+from kvwatch.daemon.config import Config, ConfigError, load_config
+from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.top import SORT_KEYS
 
 log = structlog.get_logger("kvwatch")
@@ -57,13 +53,6 @@ def _positive(text: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return v
-
-
-def kvwatch_version() -> str:
-    try:
-        return version("kvwatch")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -159,9 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_record(config: Config, args: argparse.Namespace) -> int:
     logs.configure(config.daemon.log_format, "warning")
+    from kvwatch.daemon.wiring import build_agent  # noqa: PLC0415 - bcc only when needed
     from kvwatch.exporters.record import run_record  # noqa: PLC0415 - subcommand on demand
 
-    return run_record(config, args.duration, args.output, args.max_events)
+    return run_record(
+        lambda: build_agent(config), config.daemon.tick_seconds, args.duration, args.output, args.max_events
+    )
 
 
 def cmd_doctor(config: Config, args: argparse.Namespace) -> int:
@@ -176,62 +168,6 @@ def cmd_demo(config: Config, args: argparse.Namespace) -> int:
     from kvwatch.daemon.lab.demo import run_demo  # noqa: PLC0415 - subcommand on demand
 
     return run_demo(config, args)
-
-
-class Daemon:
-    """The agent, its HTTP server and signal handling, as ``kvwatch run`` uses them."""
-
-    def __init__(self, config: Config, *, sinks: Sequence[Any] = ()) -> None:
-        from kvwatch.daemon.agent import build_agent  # noqa: PLC0415 - keeps `--help` fast
-        from kvwatch.exporters.http import MetricsServer  # noqa: PLC0415
-        from kvwatch.exporters.prometheus import SnapshotCollector, build_registry  # noqa: PLC0415
-        from kvwatch.probes.bpf import bcc_version  # noqa: PLC0415
-
-        self.config = config
-        self.stop = threading.Event()
-        self.agent = build_agent(config, sinks=sinks)
-        collector = SnapshotCollector(lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version())
-        host, port = parse_listen(config.daemon.listen)
-        self.server = MetricsServer(
-            host,
-            port,
-            build_registry(collector),
-            lambda: self.agent.snapshot,
-            tick_seconds=config.daemon.tick_seconds,
-            clock=time.time,
-            tls_cert=config.daemon.tls_cert,
-            tls_key=config.daemon.tls_key,
-        )
-
-    def install_signal_handlers(self) -> None:
-        def _stop(signum: int, _frame: FrameType | None) -> None:
-            log.info("stopping", signal=signal.Signals(signum).name)
-            self.stop.set()
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-
-    def serve(self) -> None:
-        self.server.start()
-        host, port = self.server.address
-        log.info("kvwatch running", listen=f"{host}:{port}", version=kvwatch_version())
-        try:
-            self.agent.start()
-            snap = self.agent.snapshot
-            log.info(
-                "probes attached" if snap.ready else "running degraded",
-                ready=snap.ready,
-                reasons=list(snap.not_ready_reasons),
-                watched=sum(1 for p in snap.processes if p.alive),
-            )
-            self.agent.run(self.stop)
-        finally:
-            self.shutdown()
-
-    def shutdown(self) -> None:
-        self.server.stop()
-        self.agent.close()
-        log.info("stopped: probes detached, alert sinks flushed")
 
 
 def cmd_top(config: Config, args: argparse.Namespace) -> int:
@@ -254,13 +190,16 @@ def cmd_top(config: Config, args: argparse.Namespace) -> int:
         filter=args.filter,
         width=args.width,
     )
-    return run_top(config, opts)
+    from kvwatch.daemon.wiring import build_agent  # noqa: PLC0415 - bcc only when needed
+
+    return run_top(config, opts, local=lambda: build_agent(config))
 
 
 def cmd_run(config: Config, args: argparse.Namespace) -> int:
     logs.configure(config.daemon.log_format, config.daemon.log_level)
+    from kvwatch.daemon.wiring import Daemon, memory_options  # noqa: PLC0415 - keeps `--help` fast
+
     if args.ebpf:
-        from kvwatch.daemon.agent import memory_options  # noqa: PLC0415
         from kvwatch.probes.memory import MemoryProbes  # noqa: PLC0415
 
         print(MemoryProbes(memory_options(config)).ebpf_text())

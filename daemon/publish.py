@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
+from kvwatch.probes.cuda import CUDA_APIS
 from kvwatch.probes.records import HookState
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ PROCESS_RATES = (
     "xfer_bytes",
 )
 KV_REMOVED_PREFIX = "kv_removed_blocks:"
+CUDA_API_CLASSES = {
+    a.label: "alloc" if a.is_alloc else "free" if a.is_free else "map" for a in CUDA_APIS if not a.is_copy
+}
 
 
 def _process_rates(t: Tracked) -> dict[str, float]:
@@ -61,6 +65,7 @@ def _cuda_view(agent: Agent, t: Tracked) -> CudaView | None:
     c = st.counters
     return CudaView(
         apis=dict(c.apis) if c else {},
+        api_classes=CUDA_API_CLASSES,
         outstanding=c.outstanding() if c else {"device": 0, "host": 0, "vmm": 0},
         failures=st.failures,
         symbols_attached=st.symbols_attached,
@@ -114,7 +119,7 @@ def _family_probe_views(agent: Agent) -> list[ProbeView]:
 
 
 def _probe_views(agent: Agent) -> list[ProbeView]:
-    sample = agent._sample
+    sample = agent.memory_sample
     hits = sample.hits if sample else {}
     views = [
         ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
@@ -125,9 +130,9 @@ def _probe_views(agent: Agent) -> list[ProbeView]:
 
 
 def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
-    sample = agent._sample
+    sample = agent.memory_sample
     lost = dict(sample.lost) if sample else {}
-    lost.update(agent._lost_userspace)
+    lost.update(agent.userspace_lost)
     lost["exec_hints_dropped"] = agent.tracker.stats.hints_dropped
     if agent.cuda_tracker is not None:
         lost.update({f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()})
@@ -165,7 +170,7 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
                     name=tier.name,
                     path=str(tier.path),
                     source=tier.source,
-                    owners=tuple(sorted(t.pid for t in agent._tier_owners(tier))),
+                    owners=tuple(sorted(t.pid for t in agent.tier_owners(tier))),
                     files=len(tier.files),
                     totals={n: series.last(n) for n in TIER_TOTALS},
                     rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
@@ -183,7 +188,7 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
     return Snapshot(
         wall_time=agent.wall(),
         monotonic=now,
-        tick=agent._tick,
+        tick=agent.tick_count,
         ready=not reasons,
         not_ready_reasons=reasons,
         processes=procs,
@@ -204,5 +209,5 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         uprobe_releases_pending=sum(
             f.probes.program.pending_releases() for f in agent.families if f.tracker is not None and f.probes
         ),
-        alertmanager=next((dict(st) for st in (getattr(k, "stats", None) for k in agent.alerts.sinks) if st), None),
+        alertmanager=agent.alerts.sink_stats(),
     )

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.alerts import Alert
-from kvwatch.daemon.engines.taps import EngineView
-from kvwatch.probes.cuda import ApiCounters
-from kvwatch.probes.transfer import XferCounters
+from kvwatch.daemon.engines.records import EngineView
+from kvwatch.daemon.records import Alert
+from kvwatch.probes.records import ApiCounters, XferCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +20,7 @@ class CudaView:
     """CUDA allocation counters of one process, since kvwatch attached to it."""
 
     apis: Mapping[str, ApiCounters]  # by api label: ok / err calls, bytes, frees of unknown size
+    api_classes: Mapping[str, str]  # every allocation API probed, label -> alloc / free / map (copies apart)
     outstanding: Mapping[str, int]  # device / host / vmm: allocated minus freed (known sizes)
     failures: Mapping[tuple[str, int], int]  # (api, error code) -> failed calls
     symbols_attached: int

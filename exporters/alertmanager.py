@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from kvwatch.daemon.alerts import Alert
 from kvwatch.daemon.config import AlertmanagerConfig
+from kvwatch.daemon.records import Alert
 
 log = structlog.get_logger("kvwatch.alertmanager")
 

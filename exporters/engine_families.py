@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.engines.metrics import EngineSample
+from kvwatch.daemon.engines.records import EngineSample
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

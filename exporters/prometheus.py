@@ -11,12 +11,11 @@ import platform
 import time
 from collections.abc import Callable, Iterator
 
-from kvwatch.daemon.alerts import ALERT_NAMES
+from kvwatch.daemon.records import ALERT_NAMES
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.exporters.engine_families import engine_families
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
-from kvwatch.probes.cuda import CUDA_APIS, ApiCounters
-from kvwatch.probes.transfer import BUCKET_BOUNDS, XferCounters
+from kvwatch.probes.records import BUCKET_BOUNDS, ApiCounters, XferCounters
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
@@ -253,22 +252,20 @@ class SnapshotCollector(Collector):
                     copy_calls.add_metric([*v, api_label, direction, "ok"], c.ok)
                     copy_calls.add_metric([*v, api_label, direction, "error"], c.err)
                     copy_bytes.add_metric([*v, api_label, direction], c.bytes)
-            for api in CUDA_APIS:
-                if api.is_copy:
-                    continue
-                c = p.cuda.apis.get(api.label) or ApiCounters()
-                if api.is_alloc:
-                    alloc_calls.add_metric([*v, api.label, "ok"], c.ok)
-                    alloc_calls.add_metric([*v, api.label, "error"], c.err)
-                    alloc_bytes.add_metric([*v, api.label], c.bytes)
-                elif api.is_free:
-                    free_calls.add_metric([*v, api.label, "ok"], c.ok)
-                    free_calls.add_metric([*v, api.label, "error"], c.err)
-                    freed_bytes.add_metric([*v, api.label], c.bytes)
-                    unknown.add_metric([*v, api.label], c.unknown)
+            for label, klass in p.cuda.api_classes.items():
+                c = p.cuda.apis.get(label) or ApiCounters()
+                if klass == "alloc":
+                    alloc_calls.add_metric([*v, label, "ok"], c.ok)
+                    alloc_calls.add_metric([*v, label, "error"], c.err)
+                    alloc_bytes.add_metric([*v, label], c.bytes)
+                elif klass == "free":
+                    free_calls.add_metric([*v, label, "ok"], c.ok)
+                    free_calls.add_metric([*v, label, "error"], c.err)
+                    freed_bytes.add_metric([*v, label], c.bytes)
+                    unknown.add_metric([*v, label], c.unknown)
                 else:
-                    maps.add_metric([*v, api.label], c.ok)
-                    mapped.add_metric([*v, api.label], c.bytes)
+                    maps.add_metric([*v, label], c.ok)
+                    mapped.add_metric([*v, label], c.bytes)
         yield from (
             alloc_calls,
             alloc_bytes,

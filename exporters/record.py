@@ -33,13 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvwatch.daemon.families.cuda import SEGMENT_ALLOCS, SEGMENT_FREES
 from kvwatch.daemon.snapshot import ProcessView, Snapshot
-from kvwatch.probes.transfer import TransferDone
+from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES, TransferDone
 
 if TYPE_CHECKING:
-    from kvwatch.daemon.agent import Agent
-    from kvwatch.daemon.config import Config
+    from kvwatch.exporters.loop import Loop
 
 NODE_PID = 0
 MIB = 1024 * 1024
@@ -308,44 +306,36 @@ def write_trace(trace: dict[str, Any], output: Path) -> None:
 
 
 def record(
-    agent: Agent,
+    loop: Loop,
     duration: float,
     *,
     max_events: int = 1_000_000,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> TraceRecorder:
-    """Run the agent's loop for ``duration`` seconds, recording every tick (agent started)."""
+    """Run the loop for ``duration`` seconds, recording every tick and every completed
+    transfer (the loop started)."""
     stop = stop or threading.Event()
     rec = TraceRecorder(t0_ns=time.monotonic_ns(), t0_wall=time.time(), max_events=max_events)
-    tt = agent.transfer_tracker
-    if tt is not None:
-        tt.probes.set_emit_events(True)
-        tt.events.clear()
 
     def on_tick(snap: Snapshot) -> None:
         rec.on_snapshot(snap)
-        if tt is not None:
-            done, tt.events = tt.events, []
-            rec.on_transfers(done)
         if clock() * 1e9 - rec.t0_ns >= duration * 1e9:
             stop.set()
 
-    agent.tick_hooks.append(on_tick)
-    on_tick(agent.snapshot if agent.snapshot.tick else agent.tick())
+    unsubscribe = loop.subscribe(on_tick, rec.on_transfers)
+    on_tick(loop.snapshot if loop.snapshot.tick else loop.tick())
     try:
-        agent.run(stop)
+        loop.run(stop)
     finally:
-        agent.tick_hooks.remove(on_tick)
-        on_tick(agent.tick())  # the last partial tick: counts up to the end
+        loop.tick()  # the last partial tick: counts up to the end
+        unsubscribe()
         rec.ended_at = clock()
     return rec
 
 
-def run_record(config: Config, duration: float, output: Path, max_events: int) -> int:
-
-    from kvwatch.daemon.agent import build_agent  # noqa: PLC0415 - bcc only when needed
-
+def run_record(build: Callable[[], Loop], tick_seconds: float, duration: float, output: Path, max_events: int) -> int:
+    """``kvwatch record``: the loop that ``build`` makes (kvwatch's own probes), recorded."""
     if os.geteuid() != 0:
         print("kvwatch record: needs root (it loads its own eBPF probes)", file=sys.stderr)
         return 1
@@ -363,7 +353,7 @@ def run_record(config: Config, duration: float, output: Path, max_events: int) -
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        agent = build_agent(config)
+        agent = build()
         agent.start()
     except Exception as err:
         print(f"kvwatch record: cannot start probes: {err}", file=sys.stderr)
@@ -373,7 +363,7 @@ def run_record(config: Config, duration: float, output: Path, max_events: int) -
         rec = record(agent, duration, max_events=max_events, stop=stop)
     finally:
         agent.close()
-    trace = rec.finish(rec.ended_at or time.monotonic(), config.daemon.tick_seconds)
+    trace = rec.finish(rec.ended_at or time.monotonic(), tick_seconds)
     write_trace(trace, output)
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(rec.counts.items()) if k != "metadata") or "no events"
     print(f"kvwatch record: wrote {output}: {kinds}", file=sys.stderr)

@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,8 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from kvwatch.daemon.agent import Agent
     from kvwatch.daemon.config import Config
+    from kvwatch.exporters.loop import Loop
 
 MIB = 1024 * 1024
 
@@ -75,11 +75,9 @@ class DaemonSource:
 class LocalSource:
     """kvwatch's own probes and loop, in a thread of this process."""
 
-    def __init__(self, config: Config, agent_factory: Callable[[Config], Agent] | None = None) -> None:
-        from kvwatch.daemon.agent import build_agent  # noqa: PLC0415 - bcc only when needed
-
+    def __init__(self, agent: Loop) -> None:
         self.description = "own probes (no daemon reachable)"
-        self.agent = (agent_factory or build_agent)(config)
+        self.agent = agent
         self.stop = threading.Event()
         self.agent.start()
         self._thread = threading.Thread(target=self._run, name="kvwatch-top-agent", daemon=True)
@@ -297,8 +295,9 @@ class TopOptions:
     notes: list[str] = field(default_factory=list)
 
 
-def open_source(config: Config, opts: TopOptions) -> Source:
-    """The daemon when it answers, else our own probes; SourceError says why neither works."""
+def open_source(config: Config, opts: TopOptions, local: Callable[[], Loop] | None = None) -> Source:
+    """The daemon when it answers, else our own probes (``local`` builds them); SourceError says
+    why neither works."""
     if opts.url:
         return DaemonSource(opts.url)  # asked for this daemon: its absence is shown, not worked around
     if not opts.local:
@@ -313,15 +312,17 @@ def open_source(config: Config, opts: TopOptions) -> Source:
 
     if os.geteuid() != 0:
         raise SourceError("no kvwatch daemon reachable, and starting probes here needs root (try sudo)")
+    if local is None:
+        raise SourceError("no kvwatch daemon reachable")
     try:
-        return LocalSource(config)
+        return LocalSource(local())
     except Exception as err:  # bcc missing, compile failure: say it plainly
         raise SourceError(f"cannot start kvwatch's own probes: {err}") from None
 
 
-def run_top(config: Config, opts: TopOptions, argv_hint: Sequence[str] = ()) -> int:
+def run_top(config: Config, opts: TopOptions, local: Callable[[], Loop] | None = None) -> int:
     try:
-        source = open_source(config, opts)
+        source = open_source(config, opts, local)
     except SourceError as err:
         print(f"kvwatch top: {err}", file=sys.stderr)
         return 1

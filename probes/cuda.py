@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
 from kvwatch.probes.libs import CUDART, LIBCUDA, LIBUCM, MappedLibrary, matching
+from kvwatch.probes.records import ApiCounters
 from kvwatch.probes.uprobes import PerProcessUprobes, ProcessAttachment, ProcessGoneDuringAttach, UprobeApi
 
 __all__ = ["ProcessGoneDuringAttach"]
@@ -126,14 +127,6 @@ _PROC_FIELDS = (
     "max_alloc",
     "nested",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ApiCounters:
-    ok: int = 0
-    err: int = 0
-    bytes: int = 0
-    unknown: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,3 +121,50 @@ class EventBatch:
 
     events: list[MemoryEvent] = field(default_factory=list)
     malformed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCounters:
+    """One CUDA API in one process: successful and failed calls, bytes, frees of unknown size."""
+
+    ok: int = 0
+    err: int = 0
+    bytes: int = 0
+    unknown: int = 0
+
+
+# The transfer family's duration histogram: in-kernel log2 buckets of nanoseconds (the BPF
+# program gets the same numbers as -D flags); bucket b holds durations < 2^(b + 11) ns.
+NBUCKETS = 26
+FIRST_BUCKET_LOG2 = 10
+BUCKET_BOUNDS = tuple(2 ** (b + FIRST_BUCKET_LOG2 + 1) / 1e9 for b in range(NBUCKETS - 1))  # seconds
+
+
+@dataclass(frozen=True, slots=True)
+class XferCounters:
+    """One (library, operation) of KV transfers in one process."""
+
+    calls: int = 0
+    errors: int = 0
+    bytes: int = 0
+    completed: int = 0
+    duration_ns: int = 0
+    buckets: tuple[int, ...] = (0,) * NBUCKETS
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    """One completed KV transfer (NIXL), timed by the kernel; sent only while someone records."""
+
+    tgid: int
+    lib: str
+    op: str
+    bytes: int
+    start_ns: int
+    end_ns: int
+    status: int
+
+
+# The CUDA APIs that allocate / free allocator segments (device memory and VMM handles)
+SEGMENT_ALLOCS = ("cudaMalloc", "cudaMallocAsync", "cuMemAlloc", "cuMemAllocAsync", "cuMemCreate")
+SEGMENT_FREES = ("cudaFree", "cudaFreeAsync", "cuMemFree", "cuMemFreeAsync", "cuMemRelease")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.records import NBUCKETS, TransferDone, XferCounters
 from kvwatch.probes.uprobes import PerProcessUprobes, UprobeApi
 
 FAMILY = "transfer"
@@ -25,10 +26,6 @@ SOURCE = PROBES_DIR / "transfer.bpf.c"
 R_NIXL_POST, R_NIXL_STATUS, R_NIXL_RELEASE, R_UCP_PUT, R_UCP_GET, R_VERBS_REG, R_VERBS_DEREG, R_NCCL = range(1, 9)
 LIBS = ("nixl", "ucx", "nccl")
 OPS = ("write", "read", "send", "recv", "allgather", "unknown")
-NBUCKETS = 26
-FIRST_BUCKET_LOG2 = 10
-# upper bounds (seconds) of the in-kernel log2 buckets: bucket b holds durations < 2^(b + 11) ns
-BUCKET_BOUNDS = tuple(2 ** (b + FIRST_BUCKET_LOG2 + 1) / 1e9 for b in range(NBUCKETS - 1))
 
 LIBRARY_PATTERNS = {
     "nixl": re.compile(r"^libnixl\.so(\.\d+)*$"),
@@ -88,16 +85,6 @@ _PROC_FIELDS = (
 
 
 @dataclass(frozen=True, slots=True)
-class XferCounters:
-    calls: int = 0
-    errors: int = 0
-    bytes: int = 0
-    completed: int = 0
-    duration_ns: int = 0
-    buckets: tuple[int, ...] = (0,) * NBUCKETS
-
-
-@dataclass(frozen=True, slots=True)
 class PeerCounters:
     lib: str
     peer: int  # an opaque endpoint id: never a label
@@ -123,17 +110,6 @@ class ProcessTransfers:
     @property
     def registered_bytes(self) -> int:
         return self.reg_bytes - self.dereg_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class TransferDone:
-    tgid: int
-    lib: str
-    op: str
-    bytes: int
-    start_ns: int
-    end_ns: int
-    status: int
 
 
 @dataclass(frozen=True, slots=True)

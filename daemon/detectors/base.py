@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +33,6 @@ class Finding:
     values: Mapping[str, float] = field(default_factory=dict)
     summary: str = ""
     severity: str = "warning"
-
-
-class Detector(Protocol):
-    name: str
-
-    def forget(self, subject_key: str) -> None: ...
 
 
 @dataclass(slots=True)

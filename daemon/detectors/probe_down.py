@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwatch.daemon.detectors.base import Finding, Subject
-from kvwatch.probes.records import HookState, HookStatus
+from kvwatch.daemon.detectors.view import NodeView
+from kvwatch.probes.records import HookState
 
 ALERT = "KVWatchProbeDown"
 ALWAYS_BUSY = frozenset({"page_free"})
@@ -32,9 +32,10 @@ class ProbeDown:
     def forget(self, subject_key: str) -> None:
         self._silence.pop(subject_key, None)
 
-    def evaluate(self, statuses: Sequence[HookStatus], hits: Mapping[str, int], now: float) -> list[Finding]:
+    def evaluate(self, view: NodeView) -> list[Finding]:
         out: list[Finding] = []
-        for st in statuses:
+        hits, now = view.probe_hits, view.now
+        for st in view.probes:
             if st.state is HookState.DISABLED or not st.required:
                 continue
             key = f"probe:{st.family}:{st.name}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.series import SeriesSet
+from kvwatch.probes.records import HookStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +49,5 @@ class NodeView:
     tiers: Mapping[str, TierWindow]
     psi_memory_some_avg10: float | None = None
     oom_events: Sequence[OomEvent] = ()
+    probes: Sequence[HookStatus] = ()  # the kernel-memory hooks, as they attached
+    probe_hits: Mapping[str, int] = field(default_factory=dict)  # times each fired

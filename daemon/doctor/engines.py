@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.doctor.checks import FAIL, OK, SKIP, Check
-from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec
-from kvwatch.daemon.engines.metrics import EngineScraper, ScrapeTarget
+from kvwatch.daemon.engines.kv_events import KVEventHub
+from kvwatch.daemon.engines.metrics import EngineScraper
+from kvwatch.daemon.engines.records import ScrapeTarget, StreamSpec
 from kvwatch.daemon.lab.engine_sim import SimulatedVllm
 
 CANARY = 23

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from kvwatch.daemon.agent import memory_options
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.doctor.checks import FAIL, INFO, OK, SKIP, WARN, Check
 from kvwatch.daemon.doctor.cuda import cuda_canaries
@@ -24,6 +23,7 @@ from kvwatch.daemon.doctor.engines import engine_canaries
 from kvwatch.daemon.doctor.transfer import transfer_canaries
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
+from kvwatch.daemon.wiring import memory_options
 from kvwatch.probes import tracefs
 from kvwatch.probes.memory import MemoryProbes, kernel_dev
 from kvwatch.probes.records import (

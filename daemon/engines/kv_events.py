@@ -20,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
 import zmq
+from kvwatch.daemon.engines.records import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
     REMOVED,
@@ -43,45 +44,6 @@ DEFAULT_MEDIUM = "GPU"  # events without a medium (vLLM ≤ 0.10) came from the 
 MAX_MEDIA = 8
 MAX_MESSAGE_BYTES = 64 << 20
 DRAIN_PER_WAKEUP = 2000
-
-
-@dataclass(frozen=True, slots=True)
-class StreamSpec:
-    """One KV event stream: where to connect, and whose it is."""
-
-    endpoint: str  # a connect address: tcp://127.0.0.1:5557
-    replay: str | None = None
-    topic: str = ""
-    dp_rank: int = 0
-    owner: str = ""  # the watched process's key
-
-
-@dataclass(frozen=True, slots=True)
-class MediumTotals:
-    stored: int = 0
-    removed: int = 0
-    removed_young: int = 0  # removed within thrash_seconds of being stored
-
-
-@dataclass(frozen=True, slots=True)
-class StreamStats:
-    spec: StreamSpec
-    connected: bool
-    batches: int
-    events: int
-    media: Mapping[str, MediumTotals]
-    cleared: int  # AllBlocksCleared: prefix cache reset / sleep
-    gaps: int  # times the sequence jumped
-    missed: int  # batches missing when gaps were seen
-    replayed: int  # of those, recovered through the replay endpoint
-    lost: int  # not recovered
-    decode_errors: Mapping[str, int]  # kind -> messages (or events) dropped
-    restarts: int  # the publisher's sequence began again
-    replay_requests: int
-    last_seq: int | None
-    last_batch_ts: float  # engine wall clock of the newest batch
-    last_message_at: float  # our monotonic clock
-    tracked_blocks: int  # blocks whose store time is remembered
 
 
 @dataclass(slots=True)

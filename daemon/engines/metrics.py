@@ -19,9 +19,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import structlog
+from kvwatch.daemon.engines.records import EngineSample, ScrapeTarget, TargetState
 from prometheus_client.parser import text_string_to_metric_families
 
 log = structlog.get_logger("kvwatch.engine_metrics")
@@ -50,50 +50,6 @@ OFFLOAD_BY_TYPE = "vllm:kv_offload_total_bytes_total"  # the same, by transfer_t
 LMCACHE_EVICTED_KEYS = ("lmcache:local_cpu_evict_keys_count_total",)
 LMCACHE_HIT_TOKENS = ("lmcache:num_hit_tokens_total",)
 LMCACHE_REQUESTED_TOKENS = ("lmcache:num_requested_tokens_total",)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSample:
-    """One scrape. Counters are cumulative as the engine reports them; None: not exported."""
-
-    at: float  # monotonic time of the scrape
-    usage: float | None = None  # KV pool in use, 0..1 (max over engines / ranks)
-    prefix_queries: float | None = None  # tokens looked up in the prefix cache
-    prefix_hits: float | None = None  # of those, found
-    preemptions: float | None = None  # requests preempted (vLLM) / retracted (SGLang)
-    running: float | None = None
-    waiting: float | None = None
-    sleeping: bool | None = None  # vLLM sleep mode (KV pool discarded on purpose)
-    evicted_tokens: float | None = None  # SGLang radix cache evictions
-    idle_evict_samples: float | None = None  # vLLM's sampled idle-before-evict histogram: count
-    idle_evict_young: float | None = None  # ... of which idle less than thrash_seconds
-    lmcache_evicted_keys: float | None = None
-    lmcache_hit_tokens: float | None = None
-    lmcache_requested_tokens: float | None = None
-    external_queries: float | None = None  # vLLM: tokens looked up in a KV connector's tier (CPU offload)
-    external_hits: float | None = None
-    offload_store_bytes: float | None = None  # vLLM OffloadingConnector: bytes copied GPU -> CPU
-    offload_load_bytes: float | None = None  # ... CPU -> GPU
-    families: int = 0
-
-    def counters(self) -> dict[str, float]:
-        """The cumulative ones, as series values."""
-        names = {
-            "engine_prefix_queries": self.prefix_queries,
-            "engine_prefix_hits": self.prefix_hits,
-            "engine_preemptions": self.preemptions,
-            "engine_evicted_tokens": self.evicted_tokens,
-            "engine_idle_evict_samples": self.idle_evict_samples,
-            "engine_idle_evict_young": self.idle_evict_young,
-            "lmcache_evicted_keys": self.lmcache_evicted_keys,
-            "lmcache_hit_tokens": self.lmcache_hit_tokens,
-            "lmcache_requested_tokens": self.lmcache_requested_tokens,
-            "engine_external_prefix_queries": self.external_queries,
-            "engine_external_prefix_hits": self.external_hits,
-            "engine_offload_store_bytes": self.offload_store_bytes,
-            "engine_offload_load_bytes": self.offload_load_bytes,
-        }
-        return {k: v for k, v in names.items() if v is not None}
 
 
 def _keep(labels: Mapping[str, str]) -> bool:
@@ -166,21 +122,6 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
         offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
         families=families,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapeTarget:
-    url: str
-    owner: str  # the watched process's key
-
-
-@dataclass(slots=True)
-class TargetState:
-    target: ScrapeTarget
-    ok: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
-    last: EngineSample | None = None
-    last_error: str = ""
 
 
 def fetch(url: str, timeout: float) -> str:

@@ -31,8 +31,17 @@ from typing import Any
 
 import structlog
 from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
-from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec, StreamStats
-from kvwatch.daemon.engines.metrics import EngineSample, EngineScraper, ScrapeTarget, TargetState
+from kvwatch.daemon.engines.kv_events import KVEventHub
+from kvwatch.daemon.engines.metrics import EngineScraper
+from kvwatch.daemon.engines.records import (
+    EnginePlan,
+    EngineSample,
+    EngineView,
+    ScrapeTarget,
+    StreamSpec,
+    StreamStats,
+    TargetState,
+)
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.tracker import Tracked
@@ -46,16 +55,6 @@ _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}  # noqa: S104 - names of "a
 _LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|localhost|::1|\[::1\])$")
 REPLAN_SECONDS = 30.0
 MAX_FAMILY_DEPTH = 8
-
-
-@dataclass(frozen=True, slots=True)
-class EnginePlan:
-    owner: str
-    pid: int
-    streams: tuple[StreamSpec, ...] = ()
-    metrics_url: str | None = None
-    notes: tuple[str, ...] = ()  # what could not be tapped, and why
-    source: str = "cmdline"  # cmdline / config
 
 
 # --- command lines ---------------------------------------------------------------------------
@@ -306,25 +305,6 @@ def _matches(ep: EngineEndpoint, t: Tracked) -> bool:
 
 
 # --- the agent's component -------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class EngineView:
-    """What the taps know about one watched process, for the snapshot."""
-
-    plan: EnginePlan
-    streams: tuple[StreamStats, ...]
-    scrape: TargetState | None
-    scrape_age: float | None  # seconds since the last good scrape
-    hit_ratio: float | None  # prefix-cache hits / queries over the rate window (tokens)
-
-    @property
-    def media(self) -> dict[str, tuple[int, int, int]]:
-        """medium -> (stored, removed, removed young), summed over data-parallel ranks."""
-        out: dict[str, tuple[int, int, int]] = {}
-        for s in self.streams:
-            for name, m in s.media.items():
-                a, b, c = out.get(name, (0, 0, 0))
-                out[name] = (a + m.stored, b + m.removed, c + m.removed_young)
-        return out
 
 
 @dataclass(slots=True)

@@ -15,12 +15,11 @@ from kvwatch.daemon.families.tracking import Attached, FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcessIdentity
 from kvwatch.probes.cuda import AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
+from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 
 log = structlog.get_logger("kvwatch.cuda")
 
 # What the reuse-collapse detector counts as the allocator going to the device.
-SEGMENT_ALLOCS = ("cudaMalloc", "cudaMallocAsync", "cuMemAlloc", "cuMemAllocAsync", "cuMemCreate")
-SEGMENT_FREES = ("cudaFree", "cudaFreeAsync", "cuMemFree", "cuMemFreeAsync", "cuMemRelease")
 
 
 def cuda_series(c: ProcessCuda) -> dict[str, float]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kvwatch.daemon.families.tracking import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferDone, TransferProbes
+from kvwatch.probes.records import TransferDone
+from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferProbes
 
 PENDING_SWEEP_SECONDS = 5.0
 

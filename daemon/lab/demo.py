@@ -32,12 +32,12 @@ from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.lab.netlab import veth_pair
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.stublib import StubBuildError, build, build_transfer
-from kvwatch.daemon.lab.workloads import MIB, Workload, drop_file_cache, make_files
+from kvwatch.daemon.lab.workloads import MIB, Workload, drop_file_cache, make_files, workload_pattern
 from kvwatch.daemon.snapshot import Snapshot
 
 DEMO_RULES = [
-    {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom|cuda|xferstub)\b"},
-    {"engine": "demo", "cmdline": r"^\S*python\S*\s+-m\s+kvwatch\.daemon\.nixl_peer\s+initiator\b"},
+    {"engine": "demo", "cmdline": workload_pattern("engine", "oom", "cuda", "xferstub")},
+    {"engine": "demo", "cmdline": workload_pattern("initiator", module="nixl_peer")},
 ]
 KV_FILES, KV_FILE_MB = 32, 16
 CGROUP_MB, SQUEEZE_MB = 768, 640
@@ -315,7 +315,7 @@ def scenario_oom(get: Callable[[], Snapshot]) -> bool:
 
 
 def run_demo(base: Config, args: argparse.Namespace) -> int:
-    from kvwatch.daemon.cli import Daemon  # noqa: PLC0415 - avoid an import cycle
+    from kvwatch.daemon.wiring import Daemon  # noqa: PLC0415 - bcc only when the demo runs
 
     work: Path = args.work_dir
     work.mkdir(parents=True, exist_ok=True)

@@ -180,6 +180,18 @@ def _wait(tag: str) -> bool:
     return bool(line) and line.strip() != "quit"
 
 
+def workload_pattern(*commands: str, module: str = "workloads") -> str:
+    """The command line of this project's own workload processes (``python -m
+    kvwatch.daemon.lab.MODULE COMMAND``), as a discovery rule's regex: the tests, the benchmarks
+    and the demo watch their workloads with it."""
+    return rf"^\S*python\S*\s+-m\s+kvwatch\.daemon\.lab\.{module}\s+({'|'.join(commands)})\b"
+
+
+def workload_rule(engine: str, *commands: str, module: str = "workloads") -> str:
+    """The same rule as a TOML inline table, for a config file."""
+    return f"{{ engine = \"{engine}\", cmdline = '{workload_pattern(*commands, module=module)}' }}"
+
+
 def _say(tag: str) -> None:
     print(tag, flush=True)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwatch.daemon.agent import Agent, memory_options
+from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.config import load_config
+from kvwatch.daemon.wiring import memory_options
 from kvwatch.probes.memory import HOOKS, MemoryProbes
 from kvwatch.probes.tracefs import tracefs_root
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvwatch.daemon.lab.workloads import workload_rule
 
 from tests.privileged.helpers import Child, daemon, free_port, wait_until
 
@@ -42,7 +43,7 @@ CONFIG = r"""
 tick_seconds = 0.5
 [discovery]
 interval_seconds = 0.5
-rules = [{{ engine = "stubengine", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+cuda\b' }}]
+rules = [{rule}]
 [probes]
 cuda_rescan_seconds = 1
 [detectors.reuse_collapse]
@@ -157,7 +158,7 @@ def am_alerts(am_url: str, name: str) -> list[dict[str, Any]]:
 
 def test_reuse_collapse_reaches_alertmanager_both_ways(tmp_path: Path, alertmanager: str, stub: Path) -> None:
     am_port = int(alertmanager.rsplit(":", 1)[1])
-    with daemon(tmp_path, CONFIG.format(am_port=am_port)) as d:
+    with daemon(tmp_path, CONFIG.format(am_port=am_port, rule=workload_rule("stubengine", "cuda"))) as d:
         prom = prometheus(tmp_path, d.port, alertmanager)
         try:
             with Child("cuda", "--lib-dir", str(stub)) as w:
@@ -214,8 +215,8 @@ def test_promtool_on_the_real_exposition_and_the_shipped_rules(tmp_path: Path) -
 
 
 def test_every_alert_name_has_a_rule_and_a_runbook_section() -> None:
-    from kvwatch.daemon.alerts import ALERT_NAMES
     from kvwatch.daemon.detectors.reuse_collapse import GROWTH
+    from kvwatch.daemon.records import ALERT_NAMES
 
     rules = RULES.read_text()
     runbook = (REPO / "docs" / "runbook.md").read_text()

@@ -7,15 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvwatch.daemon.lab.workloads import workload_rule
 
 from tests.privileged.helpers import Child, DaemonProcess, daemon, wait_until
 
-CONFIG = r"""
+RULE = workload_rule("stubengine", "cuda")
+CONFIG = rf"""
 [daemon]
 tick_seconds = 0.5
 [discovery]
 interval_seconds = 0.5
-rules = [{ engine = "stubengine", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+cuda\b' }]
+rules = [{RULE}]
 [probes]
 cuda_rescan_seconds = 1
 [detectors.eviction_burst]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.lab.memcg import MemoryCgroup
-from kvwatch.daemon.lab.workloads import MIB, drop_file_cache, make_files, resident_total
+from kvwatch.daemon.lab.workloads import MIB, drop_file_cache, make_files, resident_total, workload_rule
 from kvwatch.probes.tracefs import bcc_probe_events_of
 
 from tests.privileged.helpers import (
@@ -32,7 +32,7 @@ from tests.privileged.helpers import (
 N_PAGES = 2311
 
 
-TEST_RULE = r"""{ engine = "testengine", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(engine|oom|pages|read)\b' }"""
+TEST_RULE = workload_rule("testengine", "engine", "oom", "pages", "read")
 
 
 def toml(kvdir: Path, extra: str = "", rules: str = TEST_RULE) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from kvwatch.daemon.lab.memcg import MemoryCgroup
+from kvwatch.daemon.lab.workloads import workload_rule
 from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.libs import LibraryError
 from kvwatch.probes.tracefs import bcc_probe_events_of
@@ -40,7 +41,7 @@ from tests.privileged.helpers import (
 
 MIB = 1 << 20
 N_PAGES = 2311
-RULE = r"""{ engine = "faults", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+(pages|oom|cuda|cudacalls)\b' }"""
+RULE = workload_rule("faults", "pages", "oom", "cuda", "cudacalls")
 
 
 def toml(extra: str = "") -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
-from kvwatch.daemon.lab.workloads import MIB, make_files, resident_total
+from kvwatch.daemon.lab.workloads import MIB, make_files, resident_total, workload_rule
 
 from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, free_port, wait_until
 from tests.trace_format import problems
@@ -28,8 +28,8 @@ listen = "127.0.0.1:{port}"
 [discovery]
 interval_seconds = 0.5
 rules = [
-  {{ engine = "stubengine", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.workloads\s+cuda\b' }},
-  {{ engine = "nixltest", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.nixl_peer\s+initiator\b' }},
+  {cuda_rule},
+  {nixl_rule},
 ]
 [probes]
 cuda_rescan_seconds = 1
@@ -51,7 +51,8 @@ def kvdir() -> Iterator[Path]:
 
 
 def config(kvdir: Path, port: int = 0) -> str:
-    return CONFIG.format(port=port or free_port(), kvdir=kvdir)
+    cuda, nixl = workload_rule("stubengine", "cuda"), workload_rule("nixltest", "initiator", module="nixl_peer")
+    return CONFIG.format(port=port or free_port(), kvdir=kvdir, cuda_rule=cuda, nixl_rule=nixl)
 
 
 def attached(d: DaemonProcess, pid: int) -> bool:

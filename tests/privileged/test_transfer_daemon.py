@@ -14,16 +14,18 @@ from typing import Any
 import pytest
 from kvwatch.daemon.lab.netlab import Link, veth_pair
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
+from kvwatch.daemon.lab.workloads import workload_rule
 
 from tests.privileged.helpers import DaemonProcess, daemon, wait_until
 
 SIZE = 2 << 20
-CONFIG = r"""
+RULE = workload_rule("nixltest", "initiator", module="nixl_peer")
+CONFIG = rf"""
 [daemon]
 tick_seconds = 0.5
 [discovery]
 interval_seconds = 0.5
-rules = [{ engine = "nixltest", cmdline = '^\S*python\S*\s+-m\s+kvwatch\.daemon\.nixl_peer\s+initiator\b' }]
+rules = [{RULE}]
 [probes]
 transfer_rescan_seconds = 1
 [detectors.transfer_collapse]

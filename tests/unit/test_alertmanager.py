@@ -6,8 +6,8 @@ import json
 import time
 from typing import Any
 
-from kvwatch.daemon.alerts import Alert
 from kvwatch.daemon.config import AlertmanagerConfig
+from kvwatch.daemon.records import Alert
 from kvwatch.exporters.alertmanager import AlertmanagerSink
 
 from tests.fakes import recording_server

@@ -157,13 +157,22 @@ def test_probe_down_failed_and_silent() -> None:
         HookStatus("task_rename", "memory", "task:task_rename", HookState.FAILED, required=False),
         HookStatus("pagecache_add", "memory", "filemap:x", HookState.DISABLED),
     ]
-    out = {f.subject.labels["probe"]: f for f in det.evaluate(statuses, {"page_free": 5}, now=0.0)}
+    out = {
+        f.subject.labels["probe"]: f
+        for f in det.evaluate(NodeView(0.0, {}, {}, probes=statuses, probe_hits={"page_free": 5}))
+    }
     assert set(out) == {"page_free", "oom_victim"}
     assert out["oom_victim"].firing and out["oom_victim"].cause == "missing"
     assert not out["page_free"].firing
-    out = {f.subject.labels["probe"]: f for f in det.evaluate(statuses, {"page_free": 5}, now=61.0)}
+    out = {
+        f.subject.labels["probe"]: f
+        for f in det.evaluate(NodeView(61.0, {}, {}, probes=statuses, probe_hits={"page_free": 5}))
+    }
     assert out["page_free"].firing and out["page_free"].cause == "silent"
-    out = {f.subject.labels["probe"]: f for f in det.evaluate(statuses, {"page_free": 6}, now=62.0)}
+    out = {
+        f.subject.labels["probe"]: f
+        for f in det.evaluate(NodeView(62.0, {}, {}, probes=statuses, probe_hits={"page_free": 6}))
+    }
     assert not out["page_free"].firing
 
 

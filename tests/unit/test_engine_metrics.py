@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from kvwatch.daemon.engines.metrics import EngineSample, EngineScraper, ScrapeTarget, parse_exposition
+from kvwatch.daemon.engines.metrics import EngineScraper, parse_exposition
+from kvwatch.daemon.engines.records import EngineSample, ScrapeTarget
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 

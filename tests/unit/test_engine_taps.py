@@ -304,7 +304,7 @@ class _Sleeping(_Recorder):
         self.at = 0.0
 
     def states(self) -> dict[Any, Any]:
-        from kvwatch.daemon.engines.metrics import EngineSample, TargetState
+        from kvwatch.daemon.engines.records import EngineSample, TargetState
 
         return {t: TargetState(t, 1, {}, EngineSample(at=self.at, sleeping=True)) for t in self.targets}
 

@@ -15,15 +15,22 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.alerts import Alert
-from kvwatch.daemon.engines.kv_events import MediumTotals, StreamSpec, StreamStats
-from kvwatch.daemon.engines.metrics import EngineSample, ScrapeTarget, TargetState
-from kvwatch.daemon.engines.taps import EnginePlan, EngineView
+from kvwatch.daemon.engines.records import (
+    EnginePlan,
+    EngineSample,
+    EngineView,
+    MediumTotals,
+    ScrapeTarget,
+    StreamSpec,
+    StreamStats,
+    TargetState,
+)
+from kvwatch.daemon.publish import CUDA_API_CLASSES
+from kvwatch.daemon.records import Alert
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
-from kvwatch.probes.cuda import ApiCounters
-from kvwatch.probes.transfer import XferCounters
+from kvwatch.probes.records import ApiCounters, XferCounters
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -126,6 +133,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 rates={},
                 gpu_used_bytes=80 * 2**30,
                 cuda=CudaView(
+                    api_classes=CUDA_API_CLASSES,
                     apis={
                         "cudaMalloc": ApiCounters(ok=2981, err=2, bytes=2981 * 20 * 2**20),
                         "cudaFree": ApiCounters(ok=2980, bytes=2979 * 20 * 2**20, unknown=1),

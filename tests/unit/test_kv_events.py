@@ -20,7 +20,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvwatch.daemon.engines import wire as w
-from kvwatch.daemon.engines.kv_events import KVEventHub, StreamSpec, StreamStats
+from kvwatch.daemon.engines.kv_events import KVEventHub
+from kvwatch.daemon.engines.records import StreamSpec, StreamStats
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.privileged.helpers import free_port, wait_until

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.publish import CUDA_API_CLASSES
+from kvwatch.daemon.records import Alert
 from kvwatch.daemon.snapshot import CudaView, ProcessView, Snapshot, TierView
 from kvwatch.exporters.record import Lane, TraceRecorder, write_trace
-from kvwatch.probes.cuda import ApiCounters
-from kvwatch.probes.transfer import TransferDone
+from kvwatch.probes.records import ApiCounters, TransferDone
 
 from tests.trace_format import problems
 
@@ -27,6 +27,7 @@ def snap(t: float, allocs: int, evicted: int, alerts: tuple[Alert, ...] = ()) ->
         totals={"page_free_pages": 10.0 * t, "direct_reclaim_seconds": 0.001 * t, "memcg_reclaim_seconds": 0.0},
         rates={},
         cuda=CudaView(
+            api_classes=CUDA_API_CLASSES,
             apis={"cudaMalloc": ApiCounters(ok=allocs, bytes=allocs * 2 << 20), "cudaFree": ApiCounters(ok=allocs)},
             outstanding={},
             failures={},

@@ -10,11 +10,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from kvwatch.daemon.alerts import Alert
+from kvwatch.daemon.publish import CUDA_API_CLASSES
+from kvwatch.daemon.records import Alert
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.top import DaemonSource, SourceError, ViewState, print_once
 from kvwatch.exporters.top_model import API_PATH, TopFrame, build_frame, decode, encode
-from kvwatch.probes.cuda import ApiCounters
+from kvwatch.probes.records import ApiCounters
 
 MIB = 1 << 20
 
@@ -43,6 +44,7 @@ def proc(pid: int, engine: str = "vllm", **kw: Any) -> ProcessView:
 
 def cuda(device: int, host: int = 0) -> CudaView:
     return CudaView(
+        api_classes=CUDA_API_CLASSES,
         apis={"cudaMalloc": ApiCounters(ok=23, bytes=23 * MIB)},
         outstanding={"device": device, "host": host, "vmm": 0},
         failures={},

@@ -1,0 +1,36 @@
+"""Every detector the loop runs, from one list: adding a detector is its module and a line here."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvwatch.daemon.config import DetectorsConfig
+from kvwatch.daemon.detectors.base import Finding
+from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
+from kvwatch.daemon.detectors.host_tier import HostTierEviction
+from kvwatch.daemon.detectors.oom import OOMKilled
+from kvwatch.daemon.detectors.probe_down import ProbeDown
+from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
+from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
+from kvwatch.daemon.detectors.view import NodeView
+
+
+class Detector(Protocol):
+    """A pure function of the view and its own state: findings for every subject it judges."""
+
+    name: str
+
+    def evaluate(self, view: NodeView) -> list[Finding]: ...
+
+    def forget(self, subject_key: str) -> None: ...
+
+
+def build_detectors(config: DetectorsConfig, link_bytes_per_second: float) -> list[Detector]:
+    return [
+        HostTierEviction(config.host_tier_eviction),
+        ReuseCollapse(config.reuse_collapse),
+        TransferCollapse(config.transfer_collapse, link_bytes_per_second),
+        EvictionBurst(config.eviction_burst),
+        OOMKilled(config.oom),
+        ProbeDown(),
+    ]

@@ -1,0 +1,136 @@
+"""What the engine taps know, as plain records: the loop's snapshot and the exporters read
+these, never the subscriber, scraper or planner that fill them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """One KV event stream: where to connect, and whose it is."""
+
+    endpoint: str  # a connect address: tcp://127.0.0.1:5557
+    replay: str | None = None
+    topic: str = ""
+    dp_rank: int = 0
+    owner: str = ""  # the watched process's key
+
+
+@dataclass(frozen=True, slots=True)
+class MediumTotals:
+    stored: int = 0
+    removed: int = 0
+    removed_young: int = 0  # removed within thrash_seconds of being stored
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    spec: StreamSpec
+    connected: bool
+    batches: int
+    events: int
+    media: Mapping[str, MediumTotals]
+    cleared: int  # AllBlocksCleared: prefix cache reset / sleep
+    gaps: int  # times the sequence jumped
+    missed: int  # batches missing when gaps were seen
+    replayed: int  # of those, recovered through the replay endpoint
+    lost: int  # not recovered
+    decode_errors: Mapping[str, int]  # kind -> messages (or events) dropped
+    restarts: int  # the publisher's sequence began again
+    replay_requests: int
+    last_seq: int | None
+    last_batch_ts: float  # engine wall clock of the newest batch
+    last_message_at: float  # our monotonic clock
+    tracked_blocks: int  # blocks whose store time is remembered
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One scrape. Counters are cumulative as the engine reports them; None: not exported."""
+
+    at: float  # monotonic time of the scrape
+    usage: float | None = None  # KV pool in use, 0..1 (max over engines / ranks)
+    prefix_queries: float | None = None  # tokens looked up in the prefix cache
+    prefix_hits: float | None = None  # of those, found
+    preemptions: float | None = None  # requests preempted (vLLM) / retracted (SGLang)
+    running: float | None = None
+    waiting: float | None = None
+    sleeping: bool | None = None  # vLLM sleep mode (KV pool discarded on purpose)
+    evicted_tokens: float | None = None  # SGLang radix cache evictions
+    idle_evict_samples: float | None = None  # vLLM's sampled idle-before-evict histogram: count
+    idle_evict_young: float | None = None  # ... of which idle less than thrash_seconds
+    lmcache_evicted_keys: float | None = None
+    lmcache_hit_tokens: float | None = None
+    lmcache_requested_tokens: float | None = None
+    external_queries: float | None = None  # vLLM: tokens looked up in a KV connector's tier (CPU offload)
+    external_hits: float | None = None
+    offload_store_bytes: float | None = None  # vLLM OffloadingConnector: bytes copied GPU -> CPU
+    offload_load_bytes: float | None = None  # ... CPU -> GPU
+    families: int = 0
+
+    def counters(self) -> dict[str, float]:
+        """The cumulative ones, as series values."""
+        names = {
+            "engine_prefix_queries": self.prefix_queries,
+            "engine_prefix_hits": self.prefix_hits,
+            "engine_preemptions": self.preemptions,
+            "engine_evicted_tokens": self.evicted_tokens,
+            "engine_idle_evict_samples": self.idle_evict_samples,
+            "engine_idle_evict_young": self.idle_evict_young,
+            "lmcache_evicted_keys": self.lmcache_evicted_keys,
+            "lmcache_hit_tokens": self.lmcache_hit_tokens,
+            "lmcache_requested_tokens": self.lmcache_requested_tokens,
+            "engine_external_prefix_queries": self.external_queries,
+            "engine_external_prefix_hits": self.external_hits,
+            "engine_offload_store_bytes": self.offload_store_bytes,
+            "engine_offload_load_bytes": self.offload_load_bytes,
+        }
+        return {k: v for k, v in names.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeTarget:
+    url: str
+    owner: str  # the watched process's key
+
+
+@dataclass(slots=True)
+class TargetState:
+    target: ScrapeTarget
+    ok: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    last: EngineSample | None = None
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    owner: str
+    pid: int
+    streams: tuple[StreamSpec, ...] = ()
+    metrics_url: str | None = None
+    notes: tuple[str, ...] = ()  # what could not be tapped, and why
+    source: str = "cmdline"  # cmdline / config
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the taps know about one watched process, for the snapshot."""
+
+    plan: EnginePlan
+    streams: tuple[StreamStats, ...]
+    scrape: TargetState | None
+    scrape_age: float | None  # seconds since the last good scrape
+    hit_ratio: float | None  # prefix-cache hits / queries over the rate window (tokens)
+
+    @property
+    def media(self) -> dict[str, tuple[int, int, int]]:
+        """medium -> (stored, removed, removed young), summed over data-parallel ranks."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for s in self.streams:
+            for name, m in s.media.items():
+                a, b, c = out.get(name, (0, 0, 0))
+                out[name] = (a + m.stored, b + m.removed, c + m.removed_young)
+        return out

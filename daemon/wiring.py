@@ -1,0 +1,134 @@
+"""Composition: the one place that builds the agent from config (real probes, /proc, NVML, the
+engine taps, the alert sinks) and puts an HTTP server in front of it. ``kvwatch run`` and the
+demo use ``Daemon``; ``top --local`` and ``record`` use ``build_agent``. Nothing else builds an
+agent: exporters read snapshots, and are handed a loop when they need one.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from types import FrameType
+from typing import Any
+
+import structlog
+from kvwatch.daemon.agent import Agent
+from kvwatch.daemon.alerts import AlertSink
+from kvwatch.daemon.config import Config, parse_listen
+from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.nvml import Nvml
+from kvwatch.daemon.procfs import ProcFS
+from kvwatch.daemon.version import kvwatch_version
+from kvwatch.exporters.http import MetricsServer
+from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
+from kvwatch.probes.bpf import bcc_version
+from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
+from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
+from kvwatch.probes.transfer import TransferProbeOptions, TransferProbes
+
+log = structlog.get_logger("kvwatch")
+
+
+def cuda_options(config: Config) -> CudaProbeOptions:
+    return CudaProbeOptions(
+        max_ledger=config.probes.cuda_max_ledger,
+        max_processes=max(1024, config.discovery.max_processes * 2),
+        driver_api=config.probes.cuda_driver_api,
+    )
+
+
+def memory_options(config: Config) -> MemoryProbeOptions:
+    return MemoryProbeOptions(
+        features=frozenset(config.probes.memory),
+        max_watched=max(4096, config.discovery.max_processes * 4),
+        max_kv_inodes=config.kv_tiers.max_files,
+        max_evicted=config.probes.max_evicted_pages_tracked,
+        ringbuf_pages=config.probes.ringbuf_pages,
+    )
+
+
+def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True) -> Agent:
+    """The production wiring: real probes, real /proc, NVML when present."""
+    memory = MemoryProbes(memory_options(config)) if use_bpf and config.probes.memory else None
+    cuda = (
+        CudaProbes(cuda_options(config), proc_root=config.discovery.proc_root)
+        if use_bpf and config.probes.cuda
+        else None
+    )
+    nvml = None
+    if config.discovery.nvml != "off":
+        nvml, reason = Nvml.open()
+        if nvml is None:
+            level = log.warning if config.discovery.nvml == "on" else log.info
+            level("NVML not used", reason=reason)
+    transfer = (
+        TransferProbes(
+            TransferProbeOptions(pending_timeout_seconds=config.probes.transfer_pending_timeout_seconds),
+            proc_root=config.discovery.proc_root,
+        )
+        if use_bpf and config.probes.transfer
+        else None
+    )
+    engines = None
+    if config.engines.kv_events or config.engines.metrics:
+        engines = EngineTaps(config.engines, ProcFS(config.discovery.proc_root), ErrorBook())
+    all_sinks = list(sinks)
+    if config.alerts.alertmanager.url:
+        from kvwatch.exporters.alertmanager import AlertmanagerSink  # noqa: PLC0415 - only when configured
+
+        all_sinks.append(AlertmanagerSink(config.alerts.alertmanager))
+    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, engines=engines, nvml=nvml, sinks=all_sinks)
+
+
+class Daemon:
+    """The agent, its HTTP server and signal handling, as ``kvwatch run`` uses them."""
+
+    def __init__(self, config: Config, *, sinks: Sequence[Any] = ()) -> None:
+        self.config = config
+        self.stop = threading.Event()
+        self.agent = build_agent(config, sinks=sinks)
+        collector = SnapshotCollector(lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version())
+        host, port = parse_listen(config.daemon.listen)
+        self.server = MetricsServer(
+            host,
+            port,
+            build_registry(collector),
+            lambda: self.agent.snapshot,
+            tick_seconds=config.daemon.tick_seconds,
+            clock=time.time,
+            tls_cert=config.daemon.tls_cert,
+            tls_key=config.daemon.tls_key,
+        )
+
+    def install_signal_handlers(self) -> None:
+        def _stop(signum: int, _frame: FrameType | None) -> None:
+            log.info("stopping", signal=signal.Signals(signum).name)
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    def serve(self) -> None:
+        self.server.start()
+        host, port = self.server.address
+        log.info("kvwatch running", listen=f"{host}:{port}", version=kvwatch_version())
+        try:
+            self.agent.start()
+            snap = self.agent.snapshot
+            log.info(
+                "probes attached" if snap.ready else "running degraded",
+                ready=snap.ready,
+                reasons=list(snap.not_ready_reasons),
+                watched=sum(1 for p in snap.processes if p.alive),
+            )
+            self.agent.run(self.stop)
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self.server.stop()
+        self.agent.close()
+        log.info("stopped: probes detached, alert sinks flushed")

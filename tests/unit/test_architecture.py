@@ -1,0 +1,141 @@
+"""The import graph keeps the roles apart (docs/architecture.md): read from the source, every
+import counted, those inside functions too.
+
+* ``daemon/lab`` (simulated engines, workloads, stubs) is reached from product code only by
+  the doctor's canaries and the CLI's ``demo`` command;
+* exporters read snapshots and records: never the agent, the wiring, a probe family or a
+  probe loader;
+* the snapshot and the record modules it is made of import only each other;
+* bcc is imported in ``probes/bpf.py`` alone;
+* module-level imports have no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = {"daemon": "kvwatch.daemon", "probes": "kvwatch.probes", "exporters": "kvwatch.exporters"}
+RECORDS = {"kvwatch.daemon.records", "kvwatch.daemon.engines.records", "kvwatch.probes.records"}
+LAB = "kvwatch.daemon.lab"
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str
+    target: str
+    top_level: bool
+    line: int
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PACKAGES.items():
+        for f in (REPO / folder).rglob("*.py"):
+            parts = [p for p in f.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+            out[".".join([package, *parts])] = f
+    return out
+
+
+MODULES = modules()
+
+
+def _resolve(name: str) -> str:
+    """The module an imported name lives in (``from a.b import c`` is a.b.c when that is a module)."""
+    return name if name in MODULES else name.rsplit(".", 1)[0]
+
+
+def imports() -> Iterator[Import]:
+    for source, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [_resolve(f"{node.module}.{a.name}") for a in node.names]
+            for n in names:
+                yield Import(source, n, id(node) in top, node.lineno)
+
+
+ALL = list(imports())
+
+
+def internal() -> list[Import]:
+    return [i for i in ALL if i.target.startswith("kvwatch.")]
+
+
+def test_the_graph_is_read() -> None:
+    assert len(MODULES) > 60 and len(internal()) > 200
+    assert any(i.source == "kvwatch.daemon.cli" and i.target == "kvwatch.daemon.lab.demo" for i in ALL)
+
+
+def test_lab_is_reached_only_by_the_doctor_and_the_demo_command() -> None:
+    allowed = {("kvwatch.daemon.cli", "kvwatch.daemon.lab.demo")}
+    bad = [
+        f"{i.source}:{i.line} -> {i.target}"
+        for i in internal()
+        if i.target.startswith(LAB)
+        and not i.source.startswith((LAB, "kvwatch.daemon.doctor"))
+        and (i.source, i.target) not in allowed
+    ]
+    assert bad == []
+
+
+def test_exporters_read_snapshots_and_records_only() -> None:
+    allowed = (
+        "kvwatch.exporters",
+        "kvwatch.daemon.snapshot",
+        "kvwatch.daemon.config",  # listen addresses, the Alertmanager section
+        *RECORDS,
+    )
+    bad = [
+        f"{i.source}:{i.line} -> {i.target}"
+        for i in internal()
+        if i.source.startswith("kvwatch.exporters") and not i.target.startswith(allowed)
+    ]
+    assert bad == []
+
+
+def test_snapshot_and_records_are_data_only() -> None:
+    pure = {"kvwatch.daemon.snapshot", *RECORDS}
+    bad = [f"{i.source} -> {i.target}" for i in internal() if i.source in pure and i.target not in RECORDS]
+    assert bad == []
+    third_party = [
+        f"{i.source} -> {i.target}"
+        for i in ALL
+        if i.source in pure
+        and i.target.split(".")[0] not in ("__future__", "collections", "dataclasses", "enum", "typing", "kvwatch")
+    ]
+    assert third_party == []
+
+
+def test_bcc_in_one_module() -> None:
+    users = {i.source for i in ALL if i.target == "bcc" or i.target.startswith("bcc.")}
+    assert users == {"kvwatch.probes.bpf"}
+
+
+def test_no_import_cycle_at_module_level() -> None:
+    graph: dict[str, set[str]] = {}
+    for i in internal():
+        if i.top_level and i.target in MODULES:
+            graph.setdefault(i.source, set()).add(i.target)
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(n: str, path: list[str]) -> list[str] | None:
+        state[n] = 1
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*path, n, m]
+            if m not in state and (cycle := visit(m, [*path, n])):
+                return cycle
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            assert visit(n, []) is None
