@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,6 @@ def require_bcc() -> Any:
             f"or a venv built with --system-site-packages on it ({_IMPORT_ERROR})"
         )
     return _bcc
-
-
-def num_possible_cpus() -> int:
-    bcc = require_bcc()
-    return len(bcc.utils.get_possible_cpus())
 
 
 def program_text(source: Path) -> str:
@@ -134,10 +129,11 @@ class Program:
     def detach_uprobe_event(self, event: str) -> bool:
         """Detach now, release in the background.
 
-        Closing a uprobe's perf event waits for the kernel to unregister it (~200 ms each on
-        the 6.18 development VM, serially): a process exiting with 40 probes stalled the
-        probe loop for 8 s. The descriptor leaves bcc's table here; a closer thread releases
-        it (in parallel with others, sharing grace periods) and ``close`` waits for them."""
+        Closing a uprobe's perf event waits for the kernel to unregister it, a wait of up to
+        hundreds of milliseconds per probe, one after the other: released inline, a process
+        exiting with tens of probes would stall the caller for seconds. So the descriptor
+        leaves bcc's table here, a closer thread releases it (in parallel with others,
+        sharing the kernel's grace periods) and ``close`` waits for them."""
         ev = event.encode()
         fd = self._bpf.uprobe_fds.get(ev)
         if fd is None:
@@ -216,9 +212,9 @@ class Program:
 def fdinfo_field(fd: int, key: str) -> str | None:
     """Field ``key`` of this process's /proc/self/fdinfo/``fd``; None when absent or the descriptor is gone.
 
-    Read every tick for each attached hook, so plain os calls and one search: a
-    Path.read_text and a parsed dict per hook cost five times as much (0.2 vs 0.04 ms
-    for the memory family's 12 hooks on the development VM)."""
+    Read every tick for each attached hook, so it is plain os calls and one byte search,
+    with no file object and no parsed dict: those cost several times as much, paid per
+    hook per tick."""
     try:
         f = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY)
     except OSError:
@@ -250,9 +246,19 @@ def percpu_sum(values: Sequence[Any], fields: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def iter_percpu_hash(table: Table) -> Iterator[tuple[Any, Sequence[Any]]]:
-    """Items of a BPF_PERCPU_HASH as (key, per-CPU values)."""
-    yield from table.items()
+def percpu_array_sums(table: Table, labels: Sequence[str]) -> dict[str, int]:
+    """Per label, the sum over CPUs of a BPF_PERCPU_ARRAY's entry at the label's index."""
+    return {label: sum(int(v) for v in table[table.Key(i)]) for i, label in enumerate(labels)}
+
+
+def sizeof_flags(mirrors: Mapping[str, type[ctypes.Structure]]) -> list[str]:
+    """``-DKVW_SIZEOF_<struct>=<bytes>`` per C struct (by its name) mirrored by a ctypes record.
+
+    A ring-buffer record is laid out by the C struct and decoded by its ctypes mirror, two
+    copies kept in step by hand. The program asserts each struct's size against the size
+    passed here (``KVW_MIRRORED`` in common.h), so a field added, dropped or resized on one
+    side only fails the compile with the struct's name instead of decoding garbage."""
+    return [f"-DKVW_SIZEOF_{name}={ctypes.sizeof(record)}" for name, record in mirrors.items()]
 
 
 _MADV_DONTNEED = 4

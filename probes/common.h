@@ -1,7 +1,7 @@
 /* Helpers shared by kvwatch's BPF programs.
  *
- * Design rule 1: programs read only tracepoint fields, probe arguments and
- * helpers, never a kernel struct layout, so any kernel headers compile them.
+ * Programs read only tracepoint fields, probe arguments and helpers, never a
+ * kernel struct layout, so any kernel headers compile them.
  *
  * The loader passes the index constants (-DKVW_HIT_<NAME>=i, -DKVW_LOST_<NAME>=i,
  * -DKVW_NR_HITS, -DKVW_NR_LOST) so that Python holds the single list of hooks
@@ -44,5 +44,31 @@ static __always_inline void kvw_lost(u32 idx) {
 
 static __always_inline u32 kvw_tgid(void) { return bpf_get_current_pid_tgid() >> 32; }
 static __always_inline u32 kvw_tid(void) { return (u32)bpf_get_current_pid_tgid(); }
+
+/* Uprobe families keep a probed call's context per thread (keyed by
+ * bpf_get_current_pid_tgid()) from its entry probe to its return probe. A probed call made
+ * beneath another one on the same thread (cudaMalloc -> cuMemAlloc_v2) gets no record of
+ * its own: its entry raises the outer record's depth, so the work is counted once, by the
+ * outermost call.
+ *
+ * A return probe looks its thread's record up and, when there is one, passes its depth
+ * here: 1 when the record is the returning call's own (the probe then copies it, deletes
+ * it and counts the call), 0 for the return of a nested call, whose depth is taken back.
+ * The lookup and the delete stay in the program: bcc rewrites map calls neither inside a
+ * macro nor through a map passed as an argument. */
+static __always_inline int kvw_outermost_return(u32 *depth) {
+    if (*depth == 0)
+        return 1;
+    *depth -= 1;
+    return 0;
+}
+
+/* A struct that a loader decodes with a ctypes mirror (a ring-buffer record) is checked
+ * against it at compile time: the loader passes the mirror's size as
+ * -DKVW_SIZEOF_<struct name>, so a field added, dropped or resized on one side only fails
+ * the compile, naming the struct, instead of decoding garbage. */
+#define KVW_MIRRORED(NAME)                                                                  \
+    _Static_assert(sizeof(struct NAME) == KVW_SIZEOF_##NAME,                                \
+                   "struct " #NAME " and its ctypes mirror in the loader differ in size")
 
 #endif /* KVW_COMMON_H */

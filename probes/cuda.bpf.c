@@ -159,6 +159,7 @@ struct cuda_event_t {
     u64 size;
     u64 ts_ns;
 };
+KVW_MIRRORED(cuda_event_t);
 BPF_RINGBUF_OUTPUT(cuda_events, RINGBUF_PAGES);
 
 static __always_inline u64 kvw_arg(struct pt_regs *ctx, int n) {
@@ -316,12 +317,8 @@ static __always_inline void kvw_event(u32 type, u32 tgid, u32 api, s32 rc, u64 s
 static __always_inline int kvw_return(struct pt_regs *ctx, u32 op, u32 kind) {
     u64 tid = bpf_get_current_pid_tgid();
     struct inflight_t *cur = inflight.lookup(&tid);
-    if (!cur)
+    if (!cur || !kvw_outermost_return(&cur->depth))
         return 0;
-    if (cur->depth > 0) {
-        cur->depth -= 1;
-        return 0;
-    }
     struct inflight_t f = *cur;
     inflight.delete(&tid);
     u32 tgid = tid >> 32;

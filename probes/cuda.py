@@ -9,16 +9,15 @@ Costs and caveats are at the top of ``cuda.bpf.c``.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum
 from kvwatch.probes.libs import CUDART, LIBCUDA, LIBUCM, MappedLibrary, matching
 from kvwatch.probes.records import ApiCounters
 from kvwatch.probes.uprobes import PerProcessUprobes, ProcessAttachment, ProcessGoneDuringAttach, UprobeApi
@@ -107,7 +106,6 @@ CUDA_APIS: tuple[CudaApi, ...] = (
     _batch("cuMemcpyBatchAsync", "cuMemcpyBatchAsync", "cuda"),
     _batch("cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync_v2", "cuda"),
 )
-API_INDEX = {a.label: i for i, a in enumerate(CUDA_APIS)}
 
 LOST_SOURCES = (
     "ringbuf",
@@ -187,6 +185,8 @@ class CudaSample:
 
 
 class _RawEvent(ctypes.Structure):
+    """Mirror of ``struct cuda_event_t``."""
+
     _fields_ = (
         ("type", ctypes.c_uint32),
         ("tgid", ctypes.c_uint32),
@@ -197,7 +197,10 @@ class _RawEvent(ctypes.Structure):
     )
 
 
-def decode_event(data: bytes) -> AllocationFailed | LargeAllocation:
+CudaEvent = AllocationFailed | LargeAllocation
+
+
+def decode_event(data: bytes) -> CudaEvent:
     if len(data) < ctypes.sizeof(_RawEvent):
         raise ValueError(f"short event: {len(data)} bytes")
     e = _RawEvent.from_buffer_copy(data)
@@ -224,10 +227,16 @@ class CudaProbeOptions:
     driver_api: str = "auto"
 
 
-class CudaProbes(PerProcessUprobes):
+class CudaProbes(PerProcessUprobes[CudaEvent]):
     family = FAMILY
     libraries_by_kind: ClassVar[dict[str, re.Pattern[str]]] = {"cudart": CUDART, "cuda": LIBCUDA}
     apis: ClassVar[Sequence[UprobeApi]] = CUDA_APIS
+    source: ClassVar[Path] = SOURCE
+    ring_buffer = "cuda_events"
+    lost_sources: ClassVar[Sequence[str]] = LOST_SOURCES
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"cuda_event_t": _RawEvent}
+    process_maps: ClassVar[Sequence[str]] = ("api_stats", "ledger", "host_ranges")
+    process_map = "proc_cuda"
 
     def __init__(
         self,
@@ -239,34 +248,21 @@ class CudaProbes(PerProcessUprobes):
         super().__init__(proc_root)
         self.options = options or CudaProbeOptions()
         self._program_factory = program_factory
-        self._events: list[AllocationFailed | LargeAllocation] = []
-        self.malformed = 0
 
-    def cflags(self) -> list[str]:
+    def program_flags(self) -> list[str]:
         o = self.options
         kind = {k: i for i, k in enumerate(KINDS)}
         table = " ".join(
             f"X({a.fn},{i},{i},{a.op},{a.copy_dir if a.is_copy else kind[a.kind]},{a.ptr_arg},{a.size_arg})"
             for i, a in enumerate(CUDA_APIS)
         )
-        flags = [
-            f"-DKVW_NR_HITS={len(CUDA_APIS)}",
-            f"-DKVW_NR_LOST={len(LOST_SOURCES)}",
+        return [
             f"-DMAX_LEDGER={o.max_ledger}",
             f"-DMAX_CUDA_PROCS={o.max_processes}",
             f"-DRINGBUF_PAGES={o.ringbuf_pages}",
             f"-DLARGE_ALLOC_BYTES={o.large_alloc_bytes}ULL",
             f"-DKVW_CUDA_APIS={table}",
         ]
-        flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(LOST_SOURCES)]
-        return flags
-
-    def start(self) -> None:
-        self._prog = self._program_factory(SOURCE, self.cflags())
-        self._prog.open_ring_buffer("cuda_events", self._on_event)
-
-    def ebpf_text(self) -> str:
-        return f"// cflags: {' '.join(self.cflags())}\n" + program_text(SOURCE)
 
     # --- attachment rules ----------------------------------------------------------------
     def kind_of(self, lib: MappedLibrary) -> str | None:
@@ -290,33 +286,9 @@ class CudaProbes(PerProcessUprobes):
             return "counted above, by the CUDA runtime"
         return ""
 
-    def forget_counters(self, tgid: int) -> None:
-        prog = self.program
-        for name in ("api_stats", "ledger", "host_ranges"):
-            table = prog.table(name)
-            for k in [k for k in table if k.tgid == tgid]:
-                with contextlib.suppress(KeyError):
-                    del table[k]
-        pc = prog.table("proc_cuda")
-        with contextlib.suppress(KeyError):
-            del pc[pc.Key(tgid)]
-
     # --- reading -------------------------------------------------------------------------------
-    def _on_event(self, data: bytes) -> None:
-        try:
-            self._events.append(decode_event(data))
-        except ValueError:
-            self.malformed += 1
-
-    def poll(self, timeout_ms: int) -> None:
-        self.program.poll(timeout_ms)
-
-    def consume(self) -> None:
-        self.program.consume()
-
-    def take_events(self) -> list[AllocationFailed | LargeAllocation]:
-        out, self._events = self._events, []
-        return out
+    def decode(self, data: bytes) -> CudaEvent:
+        return decode_event(data)
 
     def sample(self) -> CudaSample:
         prog = self.program
@@ -336,10 +308,9 @@ class CudaProbes(PerProcessUprobes):
                 apis=per.get(tgid, {}),
                 **({f: int(getattr(v, f)) for f in _PROC_FIELDS} if v is not None else {}),
             )
-        hits_t, lost_t = prog.table("hits"), prog.table("lost")
         return CudaSample(
             monotonic_ns=time.monotonic_ns(),
             processes=procs,
-            hits={a.label: sum(int(x) for x in hits_t[hits_t.Key(i)]) for i, a in enumerate(CUDA_APIS)},
-            lost={s: sum(int(x) for x in lost_t[lost_t.Key(i)]) for i, s in enumerate(LOST_SOURCES)},
+            hits=self.hit_counts(),
+            lost=self.lost_counts(),
         )

@@ -1,6 +1,6 @@
 """Which library files a process mapped, and where their symbols are.
 
-Design rule 4: attach to the exact file the process mapped (``/proc/PID/maps``,
+Probes attach to the exact file the process mapped (``/proc/PID/maps``,
 opened through ``/proc/PID/root`` so a container's copy is the one probed),
 matched by exact soname pattern — never a substring (``libcudart_stub.so``
 exists). Symbols are read once per file (dev, inode, size, mtime) from the

@@ -138,6 +138,7 @@ struct kvw_event_t {
     char comm[KVW_COMM_LEN];
     char name[64];      /* exec filename, renamed comm */
 };
+KVW_MIRRORED(kvw_event_t);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 
 static __always_inline struct kvw_event_t *kvw_reserve(u32 type) {
@@ -173,9 +174,9 @@ int kvw_page_free(struct tracepoint__kmem__mm_page_free *args)
 /* ---- page cache of KV-tier files ---------------------------------------------------------- */
 
 /* Kernel threads that reclaim outside any vmscan reclaim window: kswapd, and kdamond,
- * whose DAMOS "pageout" action (proactive reclaim, on by default on some cloud kernels,
- * including the 6.18 VM kvwatch is developed on) evicts through reclaim_pages() ->
- * shrink_folio_list() with no mm_vmscan_*_reclaim_begin around it. */
+ * whose DAMOS "pageout" action (proactive reclaim, on by default on some cloud kernels)
+ * evicts through reclaim_pages() -> shrink_folio_list() with no mm_vmscan_*_reclaim_begin
+ * around it. */
 static __always_inline int kvw_is_reclaimer_thread(void) {
     char comm[8];
     bpf_get_current_comm(&comm, sizeof(comm));

@@ -12,12 +12,13 @@ import contextlib
 import ctypes
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from kvwatch.probes import tracefs
-from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_array_sums, percpu_sum, program_text, sizeof_flags
 from kvwatch.probes.errors import ProbeAttachError
 from kvwatch.probes.records import (
     EventBatch,
@@ -158,6 +159,7 @@ class MemoryProbes:
     """The kernel-memory family: one BPF program, many tracepoints."""
 
     family = FAMILY
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"kvw_event_t": _RawEvent}  # C struct name -> mirror
 
     def __init__(
         self,
@@ -216,7 +218,7 @@ class MemoryProbes:
         flags += [f"-DKVW_HIT_{h.name.upper()}={i}" for i, h in enumerate(HOOKS)]
         flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(LOST_SOURCES)]
         flags += [f"-DKVW_HOOK_{h.name.upper()}" for h in hooks]
-        return flags
+        return flags + sizeof_flags(self.mirrors)
 
     def start(self) -> list[HookStatus]:
         """Compile, load and attach. Raises ``ProbeCompileError``; per-hook failures are statuses."""
@@ -372,8 +374,8 @@ class MemoryProbes:
             processes=procs,
             tiers=tiers,
             tier_readers=readers,
-            hits=_percpu_array(prog, "hits", [h.name for h in HOOKS]),
-            lost=_percpu_array(prog, "lost", list(LOST_SOURCES)) | self.skipped(),
+            hits=percpu_array_sums(prog.table("hits"), [h.name for h in HOOKS]),
+            lost=percpu_array_sums(prog.table("lost"), LOST_SOURCES) | self.skipped(),
         )
 
     def skipped(self) -> dict[str, int]:
@@ -387,8 +389,3 @@ class MemoryProbes:
         hooks, _ = self.plan()
         flags = " ".join(self.cflags(hooks))
         return f"// cflags: {flags}\n" + program_text(SOURCE)
-
-
-def _percpu_array(prog: Program, name: str, labels: list[str]) -> dict[str, int]:
-    t = prog.table(name)
-    return {label: sum(int(v) for v in t[t.Key(i)]) for i, label in enumerate(labels)}

@@ -139,6 +139,7 @@ struct xfer_event_t {
     s32 status;
     u32 pad;
 };
+KVW_MIRRORED(xfer_event_t);
 BPF_RINGBUF_OUTPUT(xfer_events, RINGBUF_PAGES);
 BPF_ARRAY(emit_events, u32, 1);  /* set by `kvwatch record`: one event per completed transfer */
 
@@ -348,12 +349,8 @@ static __always_inline int kvw_call_enter(struct pt_regs *ctx, u32 api, int ptr_
 static __always_inline int kvw_call_return(struct pt_regs *ctx, u32 role, u32 op) {
     u64 tid = bpf_get_current_pid_tgid();
     struct call_t *cur = call_inflight.lookup(&tid);
-    if (!cur)
+    if (!cur || !kvw_outermost_return(&cur->depth))
         return 0;
-    if (cur->depth > 0) {
-        cur->depth -= 1;
-        return 0;
-    }
     struct call_t c = *cur;
     call_inflight.delete(&tid);
     u32 tgid = tid >> 32;

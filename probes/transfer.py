@@ -11,12 +11,12 @@ import contextlib
 import ctypes
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum
 from kvwatch.probes.records import NBUCKETS, TransferDone, XferCounters
 from kvwatch.probes.uprobes import PerProcessUprobes, UprobeApi
 
@@ -133,6 +133,8 @@ class TransferSample:
 
 
 class _RawEvent(ctypes.Structure):
+    """Mirror of ``struct xfer_event_t``."""
+
     _fields_ = (
         ("tgid", ctypes.c_uint32),
         ("lib", ctypes.c_uint16),
@@ -163,10 +165,16 @@ class TransferProbeOptions:
     pending_timeout_seconds: float = 60.0
 
 
-class TransferProbes(PerProcessUprobes):
+class TransferProbes(PerProcessUprobes[TransferDone]):
     family = FAMILY
     libraries_by_kind: ClassVar[dict[str, re.Pattern[str]]] = LIBRARY_PATTERNS
     apis: ClassVar[Sequence[UprobeApi]] = TRANSFER_APIS
+    source: ClassVar[Path] = SOURCE
+    ring_buffer = "xfer_events"
+    lost_sources: ClassVar[Sequence[str]] = LOST_SOURCES
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"xfer_event_t": _RawEvent}
+    process_maps: ClassVar[Sequence[str]] = ("xfer_stats", "peers", "pending", "mr_ledger")
+    process_map = "proc_xfer"
 
     def __init__(
         self,
@@ -178,65 +186,28 @@ class TransferProbes(PerProcessUprobes):
         super().__init__(proc_root)
         self.options = options or TransferProbeOptions()
         self._program_factory = program_factory
-        self._events: list[TransferDone] = []
-        self.malformed = 0
         self.abandoned = 0  # transfers posted and never completed nor released (timed out here)
 
-    def cflags(self) -> list[str]:
+    def program_flags(self) -> list[str]:
         o = self.options
         table = " ".join(
             f"X({a.fn},{i},{a.role},{a.op},{a.ptr_arg},{a.size_arg},{a.extra_arg})" for i, a in enumerate(TRANSFER_APIS)
         )
-        flags = [
-            f"-DKVW_NR_HITS={len(TRANSFER_APIS)}",
-            f"-DKVW_NR_LOST={len(LOST_SOURCES)}",
+        return [
             f"-DMAX_PENDING={o.max_pending}",
             f"-DMAX_PROCS={o.max_processes}",
             f"-DRINGBUF_PAGES={o.ringbuf_pages}",
             f"-DKVW_TRANSFER_APIS={table}",
         ]
-        flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(LOST_SOURCES)]
-        return flags
-
-    def start(self) -> None:
-        self._prog = self._program_factory(SOURCE, self.cflags())
-        self._prog.open_ring_buffer("xfer_events", self._on_event)
-
-    def ebpf_text(self) -> str:
-        return f"// cflags: {' '.join(self.cflags())}\n" + program_text(SOURCE)
 
     def set_emit_events(self, on: bool) -> None:
         """One ring-buffer event per completed transfer (for `kvwatch record`)."""
         t = self.program.table("emit_events")
         t[t.Key(0)] = t.Leaf(1 if on else 0)
 
-    def forget_counters(self, tgid: int) -> None:
-        prog = self.program
-        for name in ("xfer_stats", "peers", "pending", "mr_ledger"):
-            table = prog.table(name)
-            for k in [k for k in table if k.tgid == tgid]:
-                with contextlib.suppress(KeyError):
-                    del table[k]
-        px = prog.table("proc_xfer")
-        with contextlib.suppress(KeyError):
-            del px[px.Key(tgid)]
-
     # --- reading -------------------------------------------------------------------------------
-    def _on_event(self, data: bytes) -> None:
-        try:
-            self._events.append(decode_event(data))
-        except ValueError:
-            self.malformed += 1
-
-    def poll(self, timeout_ms: int) -> None:
-        self.program.poll(timeout_ms)
-
-    def consume(self) -> None:
-        self.program.consume()
-
-    def take_events(self) -> list[TransferDone]:
-        out, self._events = self._events, []
-        return out
+    def decode(self, data: bytes) -> TransferDone:
+        return decode_event(data)
 
     def expire_pending(self, now_ns: int | None = None) -> int:
         """Drop transfers posted longer ago than the timeout that never completed (a peer
@@ -278,14 +249,13 @@ class TransferProbes(PerProcessUprobes):
         in_flight: dict[int, list[InFlight]] = {}
         for k, v in prog.table("pending").items():
             in_flight.setdefault(int(k.tgid), []).append(InFlight("nixl", int(v.ep), int(v.bytes), int(v.start_ns)))
-        hits_t, lost_t = prog.table("hits"), prog.table("lost")
-        lost = {s: sum(int(x) for x in lost_t[lost_t.Key(i)]) for i, s in enumerate(LOST_SOURCES)}
+        lost = self.lost_counts()
         lost["abandoned_transfers"] = self.abandoned
         lost["malformed_events"] = self.malformed
         return TransferSample(
             monotonic_ns=time.monotonic_ns(),
             processes=procs,
-            hits={a.label: sum(int(x) for x in hits_t[hits_t.Key(i)]) for i, a in enumerate(TRANSFER_APIS)},
+            hits=self.hit_counts(),
             lost=lost,
             pending=sum(len(v) for v in in_flight.values()),
             in_flight={k: tuple(v) for k, v in in_flight.items()},

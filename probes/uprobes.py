@@ -1,21 +1,23 @@
-"""Per-process uprobe attachment, shared by the CUDA and transfer families.
+"""Per-process uprobe families (CUDA, transfer): the program's lifecycle and attachment.
 
 For each watched process: read its maps, take the libraries whose file names
 match a family's exact patterns, read each file's symbols once, and attach an
-entry and a return probe per API with ``pid=`` (design rule 4). Libraries
-loaded later are picked up by calling ``attach`` again; ``detach`` works after
-the process (or the file) is gone, because it uses the recorded event names.
+entry and a return probe per API with ``pid=``, so other processes pay nothing.
+Libraries loaded later are picked up by calling ``attach`` again; ``detach`` works
+after the process (or the file) is gone, because it uses the recorded event names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
-from kvwatch.probes.bpf import Program
+from kvwatch.probes.bpf import Program, percpu_array_sums, program_text, sizeof_flags
 from kvwatch.probes.errors import ProbeAttachError
 from kvwatch.probes.libs import LibraryError, MappedLibrary, SymbolCache, SymbolTable, read_maps
 from kvwatch.probes.records import HookState
@@ -70,24 +72,59 @@ def resolve(table: SymbolTable, api: UprobeApi) -> int | None:
     return None
 
 
-class PerProcessUprobes:
-    """Base of a uprobe family; subclasses give the APIs, library patterns and skip rules."""
+E = TypeVar("E")
+
+
+class PerProcessUprobes(Generic[E]):
+    """Base of a uprobe family: one BPF program, loaded once, whose probes are attached per
+    process. Subclasses give the program and its flags, the APIs, library patterns and skip
+    rules, and decode the program's ring-buffer records into events of type ``E``."""
 
     family = "uprobes"
     libraries_by_kind: ClassVar[dict[str, re.Pattern[str]]] = {}
-    apis: ClassVar[Sequence[UprobeApi]] = ()
+    apis: ClassVar[Sequence[UprobeApi]] = ()  # their order gives the hit-counter indices
+    source: ClassVar[Path]  # the BPF program
+    ring_buffer: ClassVar[str] = ""  # the program's ring buffer of events
+    lost_sources: ClassVar[Sequence[str]] = ()  # in-kernel loss counters, in index order
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {}  # C struct name -> its ctypes mirror
+    process_maps: ClassVar[Sequence[str]] = ()  # maps whose key struct has a tgid field
+    process_map: ClassVar[str] = ""  # the map keyed by the TGID alone
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = proc_root
         self.symbols = SymbolCache()
         self.attachments: dict[int, ProcessAttachment] = {}
         self._prog: Program | None = None
+        self._program_factory: Callable[[Path, list[str]], Program] = Program
+        self._events: list[E] = []
+        self.malformed = 0  # ring-buffer records that did not decode
 
     @property
     def program(self) -> Program:
         if self._prog is None:
             raise RuntimeError(f"{self.family} probes not started")
         return self._prog
+
+    # --- the program ---------------------------------------------------------------------
+    def program_flags(self) -> list[str]:
+        """The family's own -D flags (override)."""
+        return []
+
+    def cflags(self) -> list[str]:
+        """Every -D flag the program is compiled with: the hit and loss counters' sizes, the
+        family's own flags, the loss indices and the sizes of the ctypes mirrors."""
+        flags = [f"-DKVW_NR_HITS={len(self.apis)}", f"-DKVW_NR_LOST={len(self.lost_sources)}"]
+        flags += self.program_flags()
+        flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(self.lost_sources)]
+        return flags + sizeof_flags(self.mirrors)
+
+    def start(self) -> None:
+        """Compile and load the program and open its ring buffer (raises ``ProbeCompileError``)."""
+        self._prog = self._program_factory(self.source, self.cflags())
+        self._prog.open_ring_buffer(self.ring_buffer, self._on_event)
+
+    def ebpf_text(self) -> str:
+        return f"// cflags: {' '.join(self.cflags())}\n" + program_text(self.source)
 
     # --- what to attach ----------------------------------------------------------------
     def kind_of(self, lib: MappedLibrary) -> str | None:
@@ -181,7 +218,48 @@ class PerProcessUprobes:
         self.program.wait_releases(timeout)
 
     def forget_counters(self, tgid: int) -> None:
-        """Drop the family's in-kernel counters of a process (override)."""
+        """Drop the family's in-kernel counters of a process."""
+        prog = self.program
+        for name in self.process_maps:
+            table = prog.table(name)
+            for k in [k for k in table if k.tgid == tgid]:
+                with contextlib.suppress(KeyError):
+                    del table[k]
+        if self.process_map:
+            table = prog.table(self.process_map)
+            with contextlib.suppress(KeyError):
+                del table[table.Key(tgid)]
+
+    # --- reading -------------------------------------------------------------------------------
+    def decode(self, data: bytes) -> E:
+        """One ring-buffer record as an event; ``ValueError`` when malformed (override)."""
+        raise NotImplementedError
+
+    def _on_event(self, data: bytes) -> None:
+        try:
+            self._events.append(self.decode(data))
+        except ValueError:
+            self.malformed += 1
+
+    def poll(self, timeout_ms: int) -> None:
+        """Drain the ring buffer, waiting at most ``timeout_ms`` for the first record."""
+        self.program.poll(timeout_ms)
+
+    def consume(self) -> None:
+        """Drain the ring buffer without waiting."""
+        self.program.consume()
+
+    def take_events(self) -> list[E]:
+        out, self._events = self._events, []
+        return out
+
+    def hit_counts(self) -> dict[str, int]:
+        """Per API label, the runs of its entry probe in any process since the load."""
+        return percpu_array_sums(self.program.table("hits"), [a.label for a in self.apis])
+
+    def lost_counts(self) -> dict[str, int]:
+        """Per loss source, the events the program dropped since the load."""
+        return percpu_array_sums(self.program.table("lost"), self.lost_sources)
 
     def close(self) -> None:
         if self._prog is not None:

@@ -3,18 +3,18 @@ ticks, ingest every tick, feed per-process series, close. A family that fails to
 is reported (not ready, with the reason) and the rest of kvwatch goes on.
 
 Attaching and detaching run in the family's own thread, never in the probe loop:
-releasing a uprobe waits for the kernel to unregister it (~100-200 ms each on the
-development VM's 6.18 kernel) and attaches queue behind those releases, so a watched
-process exiting while another starts stalled the loop for seconds. The loop hands the
-attacher the current process list each tick and reads only what the attacher has
-published (dict lookups and copies, safe under the GIL).
+releasing a uprobe waits for the kernel to unregister it (up to hundreds of milliseconds
+each) and attaches queue behind those releases, so in the loop a watched process exiting
+while another starts would stall every tick for seconds. The loop hands the attacher the
+current process list each tick and reads only what the attacher has published (dict
+lookups and copies, safe under the GIL).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvwatch.daemon.families.tracking import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
@@ -22,14 +22,7 @@ from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.uprobes import PerProcessUprobes
 
-
-class _Loadable(Protocol):
-    def start(self) -> None: ...
-
-    def consume(self) -> None: ...
-
-
-P = TypeVar("P", bound=PerProcessUprobes)
+P = TypeVar("P", bound=PerProcessUprobes[Any])
 T = TypeVar("T", bound=FamilyTracker)
 
 
@@ -60,7 +53,7 @@ class UprobeFamily(Generic[P, T]):
         if self.probes is None:
             return
         try:
-            self.probes.start()  # type: ignore[attr-defined]
+            self.probes.start()
         except ProbeError as err:
             errors.record(f"probe_load_{self.name}", f"{self.name} probes did not load", err)
             self.failure = str(err)
@@ -93,7 +86,7 @@ class UprobeFamily(Generic[P, T]):
         if self.probes is None:
             return
         try:
-            self.probes.consume()  # type: ignore[attr-defined]
+            self.probes.consume()
         except Exception as err:
             errors.record(f"ring_poll_{self.name}", "ring buffer poll failed", err)
 
@@ -105,7 +98,7 @@ class UprobeFamily(Generic[P, T]):
             self._wake.set()
         else:
             self.tracker.sync(tracked)
-        self.tracker.ingest()  # type: ignore[attr-defined]
+        self.tracker.ingest()
 
     def add_series(
         self, tracked: Iterable[Tracked], now: float, extra: Callable[[int], dict[str, float]] | None = None
@@ -113,7 +106,7 @@ class UprobeFamily(Generic[P, T]):
         if self.tracker is None:
             return
         for t in tracked:
-            values = self.tracker.series(t.pid)  # type: ignore[attr-defined]
+            values = self.tracker.series(t.pid)
             if values is not None:
                 if extra is not None:
                     values.update(extra(t.pid))
