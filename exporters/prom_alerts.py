@@ -1,0 +1,48 @@
+"""Prometheus families of the detectors: alerts firing now, onsets per alert, and what the direct
+Alertmanager sink did with the alert states."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvwatch.daemon.records import ALERT_NAMES
+from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.prom_aggregates import fired_counts
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium")
+
+
+def active_family(s: Snapshot) -> Iterator[Metric]:
+    active = GaugeMetricFamily(
+        "kvwatch_alert_active", "1 while a detector's alert is firing", labels=list(ALERT_LABELS)
+    )
+    for a in s.alerts:
+        active.add_metric(
+            label_values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS),
+            1,
+        )
+    yield active
+
+
+def alertmanager_family(s: Snapshot) -> Iterator[Metric]:
+    """Only while the direct sink is configured."""
+    if s.alertmanager is None:
+        return
+    am = CounterMetricFamily(
+        "kvwatch_alertmanager_alerts",
+        "alert states posted to Alertmanager (sent), posts that failed (failed, retried), "
+        "states dropped at the pending bound (dropped)",
+        labels=["result"],
+    )
+    for result in ("sent", "failed", "dropped"):
+        am.add_metric([result], s.alertmanager.get(result, 0))
+    yield am
+
+
+def fired_family(s: Snapshot) -> Iterator[Metric]:
+    fired = CounterMetricFamily("kvwatch_alerts_fired", "alert onsets", labels=["alert"])
+    for name, n in fired_counts(ALERT_NAMES, s.alerts_fired):
+        fired.add_metric([name], n)
+    yield fired

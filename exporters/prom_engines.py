@@ -1,0 +1,175 @@
+"""Prometheus families of the engine taps: KV event streams, engine /metrics scrapes, and the
+engine's own counters re-exported as its last scrape read them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvwatch.daemon.engines.records import EngineSample, EngineView, StreamStats, TargetState
+from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.prom_aggregates import cache_resets
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# per KV event stream: StreamStats attribute, metric name, help
+STREAM_COUNTERS = (
+    ("batches", "kvwatch_kv_event_batches", "KV event batches decoded"),
+    ("gaps", "kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)"),
+    ("replayed", "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint"),
+    ("lost", "kvwatch_kv_event_batches_lost", "missed batches not recovered"),
+    ("restarts", "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again"),
+)
+
+
+def engine_families(s: Snapshot) -> Iterator[Metric]:
+    labels = list(PROCESS_LABELS)
+    events = _KvEventFamilies(labels)
+    scrapes = _ScrapeFamilies(labels)
+    reexported = _EngineCounters(labels)
+    for p in s.processes:
+        e = p.engine
+        if e is None:
+            continue
+        v = label_values(p.labels, PROCESS_LABELS)
+        events.add(v, e)
+        scrapes.add(v, e)
+        if e.scrape is not None and e.scrape.last is not None:
+            reexported.add(v, e.scrape.last)
+    yield from events.families()
+    yield from scrapes.families()
+    yield from reexported.families()
+
+
+class _KvEventFamilies:
+    """What the engine's KV event stream says (blocks stored and evicted) and how the stream fares."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.stored = CounterMetricFamily(
+            "kvwatch_kv_blocks_stored",
+            "KV blocks stored, from the engine's KV event stream",
+            labels=[*labels, "medium"],
+        )
+        self.removed = CounterMetricFamily(
+            "kvwatch_kv_blocks_removed",
+            "KV blocks evicted, from the engine's KV event stream",
+            labels=[*labels, "medium"],
+        )
+        self.young = CounterMetricFamily(
+            "kvwatch_kv_blocks_removed_young",
+            "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
+            labels=[*labels, "medium"],
+        )
+        self.resets = CounterMetricFamily(
+            "kvwatch_kv_cache_resets", "AllBlocksCleared events (prefix-cache reset, sleep)", labels=labels
+        )
+        s_labels = [*labels, "endpoint", "dp_rank"]
+        self.connected = GaugeMetricFamily(
+            "kvwatch_kv_event_stream_connected", "1 while the KV event subscriber is connected", labels=s_labels
+        )
+        self.per_stream = {attr: CounterMetricFamily(name, doc, labels=s_labels) for attr, name, doc in STREAM_COUNTERS}
+        self.bad = CounterMetricFamily(
+            "kvwatch_kv_event_decode_errors",
+            "messages (kind frames, sequence, payload) or events (kind event) dropped as malformed",
+            labels=[*s_labels, "kind"],
+        )
+
+    def add(self, v: list[str], e: EngineView) -> None:
+        if e.streams:
+            for medium, (a, b, c) in sorted(e.media.items()):
+                self.stored.add_metric([*v, medium], a)
+                self.removed.add_metric([*v, medium], b)
+                self.young.add_metric([*v, medium], c)
+            self.resets.add_metric(v, cache_resets(e.streams))
+        for x in e.streams:
+            self._add_stream([*v, x.spec.endpoint, str(x.spec.dp_rank)], x)
+
+    def _add_stream(self, sv: list[str], x: StreamStats) -> None:
+        self.connected.add_metric(sv, 1 if x.connected else 0)
+        for attr, fam in self.per_stream.items():
+            fam.add_metric(sv, getattr(x, attr))
+        for kind, n in sorted(x.decode_errors.items()):
+            self.bad.add_metric([*sv, kind], n)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.stored, self.removed, self.young, self.resets, self.connected)
+        yield from (self.per_stream[a] for a in ("batches", "gaps", "replayed", "lost"))
+        yield from (self.bad, self.per_stream["restarts"])
+
+
+class _ScrapeFamilies:
+    """How the engine's /metrics scrapes fare, and the KV usage and hit ratio read from them."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.scrapes = CounterMetricFamily(
+            "kvwatch_engine_scrapes",
+            "scrapes of the engine's /metrics by result (ok, timeout, connect, http_NNN, parse)",
+            labels=[*labels, "result"],
+        )
+        self.usage = GaugeMetricFamily(
+            "kvwatch_engine_kv_usage_ratio", "KV pool usage the engine reports (0..1)", labels=labels
+        )
+        self.hit = GaugeMetricFamily(
+            "kvwatch_engine_prefix_cache_hit_ratio",
+            "prefix-cache hits over queried tokens, over the detector window",
+            labels=labels,
+        )
+
+    def add(self, v: list[str], e: EngineView) -> None:
+        if e.scrape is not None:
+            self._add_scrape(v, e.scrape)
+        if e.hit_ratio is not None:
+            self.hit.add_metric(v, e.hit_ratio)
+
+    def _add_scrape(self, v: list[str], scrape: TargetState) -> None:
+        self.scrapes.add_metric([*v, "ok"], scrape.ok)
+        for reason, n in sorted(scrape.failures.items()):
+            self.scrapes.add_metric([*v, reason], n)
+        if scrape.last is not None and scrape.last.usage is not None:
+            self.usage.add_metric(v, scrape.last.usage)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.scrapes, self.usage, self.hit)
+
+
+class _EngineCounters:
+    """The engine's own counters its alerts join with, as its last scrape read them."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.queried = CounterMetricFamily(
+            "kvwatch_engine_prefix_cache_queried_tokens",
+            "tokens the engine looked up in its prefix cache (medium GPU) or its KV connector's tier (CPU)",
+            labels=[*labels, "medium"],
+        )
+        self.hit = CounterMetricFamily(
+            "kvwatch_engine_prefix_cache_hit_tokens",
+            "of those, tokens found (vLLM prefix_cache_hits / external_prefix_cache_hits)",
+            labels=[*labels, "medium"],
+        )
+        self.preemptions = CounterMetricFamily(
+            "kvwatch_engine_preemptions", "requests the engine preempted (vLLM num_preemptions)", labels=labels
+        )
+        self.offload = CounterMetricFamily(
+            "kvwatch_engine_kv_offload_bytes",
+            "KV bytes the engine reports copying to its CPU tier (d2h) and back (h2d): vLLM kv_offload_*_bytes",
+            labels=[*labels, "direction"],
+        )
+        self.sleeping = GaugeMetricFamily(
+            "kvwatch_engine_sleeping", "1 while the engine reports sleep mode (KV pool released)", labels=labels
+        )
+
+    def add(self, v: list[str], x: EngineSample) -> None:
+        for medium, q, h in (("GPU", x.prefix_queries, x.prefix_hits), ("CPU", x.external_queries, x.external_hits)):
+            if q is not None:
+                self.queried.add_metric([*v, medium], q)
+            if h is not None:
+                self.hit.add_metric([*v, medium], h)
+        if x.preemptions is not None:
+            self.preemptions.add_metric(v, x.preemptions)
+        for direction, b in (("d2h", x.offload_store_bytes), ("h2d", x.offload_load_bytes)):
+            if b is not None:
+                self.offload.add_metric([*v, direction], b)
+        if x.sleeping is not None:
+            self.sleeping.add_metric(v, 1.0 if x.sleeping else 0.0)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.queried, self.hit, self.preemptions, self.offload, self.sleeping)
