@@ -55,7 +55,11 @@ class WirePublisher:
         self.topic = topic.encode()
         self.rank = data_parallel_rank
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        # XPUB sends as PUB does and also hands up each subscription, so a caller can wait
+        # until a subscriber will receive what is sent next instead of guessing how long
+        # the subscription takes to arrive.
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(hwm)
         self._pub.bind(_offset(endpoint, data_parallel_rank))
@@ -73,6 +77,8 @@ class WirePublisher:
         self.sent = 0
         self._idle = threading.Event()
         self._idle.set()
+        self.subscriptions = 0  # subscribe messages received (a subscriber reconnecting sends another)
+        self._subscribed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="vllm-wire-publisher", daemon=True)
         self._thread.start()
 
@@ -98,6 +104,12 @@ class WirePublisher:
         self._idle.clear()
         self._queue.put(_Drop(n, forget=True))
 
+    def wait_subscribed(self, count: int = 1, timeout: float = 10.0) -> bool:
+        """Wait until ``count`` subscriptions in all have reached this publisher: from then on a
+        subscriber receives every batch published (ZMQ drops what a PUB sends before that)."""
+        with self._subscribed:
+            return self._subscribed.wait_for(lambda: self.subscriptions >= count, timeout)
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued went out."""
         deadline = time.monotonic() + timeout
@@ -117,6 +129,7 @@ class WirePublisher:
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
         while True:
+            self._take_subscriptions()
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
             try:
@@ -145,6 +158,14 @@ class WirePublisher:
                 self._buffer.append((seq, payload))
             if self._queue.empty():
                 self._idle.set()
+
+    def _take_subscriptions(self) -> None:
+        # Only this thread touches the socket (ZMQ sockets are not thread-safe).
+        while self._pub.poll(0):
+            if self._pub.recv()[:1] == b"\x01":
+                with self._subscribed:
+                    self.subscriptions += 1
+                    self._subscribed.notify_all()
 
     def _serve_replay(self) -> None:
         if self._replay is None:

@@ -156,7 +156,7 @@ def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_pat
     try:
         with daemon(tmp_path, config) as d:
             wait_until(lambda: d.value("kvwatch_kv_event_stream_connected", pid=pid) == 1, 30, "stream connected")
-            time.sleep(0.5)  # a SUB that just connected misses what is sent before its subscription lands
+            assert pub.wait_subscribed(), "kvwatch's subscription did not reach the publisher"
             t0 = time.monotonic()
             wall0 = time.time()
             pages.t0 = t0

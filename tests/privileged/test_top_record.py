@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
-from kvwatch.daemon.lab.workloads import MIB, make_files, resident_total, workload_rule
+from kvwatch.daemon.lab.workloads import MIB, PAGE, make_files, resident_total, workload_rule
 
 from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, free_port, wait_until
 from tests.trace_format import problems
@@ -251,7 +251,9 @@ def test_record_known_workload(tmp_path: Path, kvdir: Path, stub: Path) -> None:
     assert gaps[3] <= 500  # median within half a millisecond
     tier = [e for e in ev if e["ph"] == "C" and e["name"] == "KV tier test-tier pages"]
     assert sum(e["args"]["deleted (policy)"] for e in tier) == cached > 0  # what mincore saw cached
-    assert sum(e["args"]["evicted (reclaim)"] for e in tier) == 0
+    # Proactive reclaim (kdamond, kswapd) may take cold pages of the file before the unlink:
+    # those, and only those, are reclaim evictions, so they fit in what mincore no longer saw.
+    assert sum(e["args"]["evicted (reclaim)"] for e in tier) <= size // PAGE - cached
     names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
     assert f"stubengine pid {w.pid}" in names and f"nixltest pid {init.pid}" in names
     assert trace["otherData"]["dropped"] == {} and 8.5 <= trace["otherData"]["duration_seconds"] <= 12
