@@ -22,7 +22,7 @@ from kvwatch.daemon.procfs import (
     ProcFS,
 )
 
-# engines.md: process titles, command lines, and the names worth recognising.
+# Process titles, command lines, and the names worth recognising (docs/architecture.md, "Engines").
 # Command-line rules are anchored at the program (argv[0], or python -m MODULE):
 # a shell whose arguments merely mention "vllm serve" is not an engine.
 _PY_M = r"^(\S*/)?python[0-9.]*(\s+-\S+)*\s+-m\s+"

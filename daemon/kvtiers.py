@@ -23,7 +23,7 @@ from typing import Protocol
 import structlog
 from kvwatch.daemon.config import KVTiersConfig
 from kvwatch.daemon.discovery import DiscoveredProcess
-from kvwatch.daemon.procfs import ProcessIdentity
+from kvwatch.daemon.procfs import ProcError, ProcessIdentity, ProcFS
 
 log = structlog.get_logger("kvwatch.kvtiers")
 
@@ -96,16 +96,16 @@ def hicache_dirs(env: dict[str, str], cmdline: str) -> list[str]:
     return []
 
 
-def specs_from_process(p: DiscoveredProcess, proc_root: Path) -> list[TierSpec]:
-    root = proc_root / str(p.pid) / "root"
+def specs_from_process(p: DiscoveredProcess, procfs: ProcFS) -> list[TierSpec]:
+    root = procfs.root_path(p.pid)
 
     def inside(path: str) -> Path:
         return root / path.lstrip("/")
 
     def read(path: str) -> str | None:
         try:
-            return inside(path).read_text(errors="replace")[:65536]
-        except OSError:
+            return procfs.read_in_root(p.pid, path)
+        except ProcError:
             return None
 
     specs = [TierSpec(inside(d), f"lmcache:{d}", "lmcache", p.identity) for d in lmcache_dirs(p.environ, read)]
@@ -119,13 +119,13 @@ class KVTierRegistry:
         config: KVTiersConfig,
         sink: InodeSink,
         *,
-        proc_root: Path = Path("/proc"),
+        procfs: ProcFS,
         max_tiers: int = 64,
         clock: Callable[[], float],
     ) -> None:
         self.config = config
         self.sink = sink
-        self.proc_root = proc_root
+        self.procfs = procfs
         self.max_tiers = max_tiers
         self.clock = clock
         self.tiers: dict[str, Tier] = {}  # by _tier_key
@@ -145,7 +145,7 @@ class KVTierRegistry:
         specs = self.config_specs()
         if self.config.from_environment:
             for p in processes:
-                specs += specs_from_process(p, self.proc_root)
+                specs += specs_from_process(p, self.procfs)
         owners: dict[str, set[ProcessIdentity]] = {}
         for spec in specs:
             key = _tier_key(spec)

@@ -1,8 +1,11 @@
-"""Reading /proc: one boundary where OS errors become ``ProcessGone``/``ProcAccessDenied``.
+"""Reading /proc and /sys: one root, one boundary where OS errors become ``ProcError``s.
 
-The root is injectable so tests run on fixture trees. A process is identified by
-PID **and** start time (field 22 of ``stat``, clock ticks since boot): a
-recycled PID is a different process.
+Every read is under one root: ``/`` on a host, a fixture tree in tests. Under it, ``proc``
+is the procfs that shows the watched processes (``/proc``, or the host's mounted at
+``/host/proc`` in a container) and ``sys`` is kvwatch's own sysfs. ``self`` in that procfs
+is kvwatch itself: procfs names a process by its PID in the namespace it shows, and the
+host's namespace holds every process. A process is identified by PID **and** start time
+(field 22 of ``stat``, clock ticks since boot): a recycled PID is a different process.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 MAX_CMDLINE = 4096
 MAX_ENVIRON = 256 * 1024
+MAX_ENGINE_FILE = 65536
 
 
 class ProcError(Exception):
@@ -63,27 +67,59 @@ class ProcessInfo:
         return " ".join(self.cmdline)
 
 
-class ProcFS:
-    def __init__(self, root: Path = Path("/proc")) -> None:
-        self.root = root
+Pid = int | str  # a PID, or "self" (kvwatch)
 
-    def _read(self, pid: int, name: str, limit: int = 1 << 20) -> bytes:
-        path = self.root / str(pid) / name
+
+def _error(pid: Pid, name: str, err: OSError) -> ProcError:
+    if isinstance(err, (FileNotFoundError, ProcessLookupError)):
+        return ProcessGone(f"pid {pid}: {name} vanished")
+    if isinstance(err, PermissionError):
+        return ProcAccessDenied(f"pid {pid}: cannot read {name}")
+    return ProcessGone(f"pid {pid}: {name}: {err.strerror}")  # ESRCH and friends from a dying task
+
+
+def _read_file(path: Path, limit: int = 1 << 20) -> bytes:
+    """A file that belongs to no process (node-wide /proc, /sys, cgroupfs)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except PermissionError as err:
+        raise ProcAccessDenied(f"cannot read {path}") from err
+    except OSError as err:
+        raise ProcError(f"{path}: {err.strerror}") from err
+
+
+def parse_cgroup2_mount(mountinfo: str) -> str | None:
+    """Where the unified hierarchy is mounted (/sys/fs/cgroup, or .../unified on hybrid hosts)."""
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        if sep and right.split(" ", 1)[0] == "cgroup2":
+            return left.split()[4]
+    return None
+
+
+class ProcFS:
+    def __init__(self, root: Path = Path("/"), proc: Path | str = "/proc") -> None:
+        self.root = root
+        self.proc = self.under_root(proc)
+        self.sys = root / "sys"
+
+    def under_root(self, path: Path | str) -> Path:
+        """An absolute path of kvwatch's own view of the file system, under the root."""
+        return self.root / str(path).lstrip("/")
+
+    def _read(self, pid: Pid, name: str, limit: int = 1 << 20) -> bytes:
         try:
-            with open(path, "rb") as f:
+            with open(self.proc / str(pid) / name, "rb") as f:
                 return f.read(limit)
-        except (FileNotFoundError, ProcessLookupError) as err:
-            raise ProcessGone(f"pid {pid}: {name} vanished") from err
-        except PermissionError as err:
-            raise ProcAccessDenied(f"pid {pid}: cannot read {name}") from err
-        except OSError as err:  # ESRCH and friends from a dying task
-            raise ProcessGone(f"pid {pid}: {name}: {err.strerror}") from err
+        except OSError as err:
+            raise _error(pid, name, err) from err
 
     def pids(self) -> Iterator[int]:
         try:
-            entries = os.listdir(self.root)  # noqa: PTH208 - names only, fastest on /proc
+            entries = os.listdir(self.proc)  # noqa: PTH208 - names only, fastest on /proc
         except OSError as err:
-            raise ProcError(f"cannot list {self.root}: {err}") from err
+            raise ProcError(f"cannot list {self.proc}: {err}") from err
         for name in entries:
             if name.isdigit():
                 yield int(name)
@@ -148,23 +184,71 @@ class ProcFS:
             cgroup=cg,
         )
 
-    def tgid(self, pid: int) -> int:
+    def status_value(self, pid: Pid, key: str) -> str | None:
+        """A field of ``status`` (``CapEff``, ``Tgid``...), None when the kernel has no such field."""
         raw = self._read(pid, "status", 8192).decode("utf-8", "replace")
         for line in raw.splitlines():
-            if line.startswith("Tgid:"):
-                return int(line.split()[1])
-        raise ProcessGone(f"pid {pid}: no Tgid in status")
+            name, sep, value = line.partition(":")
+            if sep and name == key:
+                return value.strip()
+        return None
 
+    # --- where a process lives: its file system, its network namespace -------------------
     def root_path(self, pid: int) -> Path:
-        """``/proc/PID/root``: the process's view of the file system (containers)."""
-        return self.root / str(pid) / "root"
+        """``PID/root``: the process's view of the file system (containers)."""
+        return self.proc / str(pid) / "root"
 
-    def boot_time(self) -> float:
+    def cwd_path(self, pid: int) -> Path:
+        """``PID/cwd``: the process's working directory, in its own view of the file system."""
+        return self.proc / str(pid) / "cwd"
+
+    def read_in_root(self, pid: int, path: str, limit: int = MAX_ENGINE_FILE) -> str:
+        """A file as the process sees it (an engine's own config file, inside its container)."""
         try:
-            text = (self.root / "stat").read_text()
-        except OSError:
-            return 0.0
-        for line in text.splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-        return 0.0
+            with open(self.root_path(pid) / path.lstrip("/"), "rb") as f:
+                return f.read(limit).decode("utf-8", "replace")
+        except OSError as err:
+            raise _error(pid, f"root{path}", err) from err
+
+    def netns(self, pid: Pid) -> int:
+        """The inode of ``ns/net``: two processes share a network namespace when theirs match."""
+        try:
+            return (self.proc / str(pid) / "ns" / "net").stat().st_ino
+        except OSError as err:
+            raise _error(pid, "ns/net", err) from err
+
+    def fib_trie(self, pid: Pid) -> str:
+        """``net/fib_trie``: the routing table of the process's network namespace."""
+        return self._read(pid, "net/fib_trie", -1).decode("utf-8", "replace")
+
+    def mountinfo(self, pid: Pid) -> str:
+        return self._read(pid, "mountinfo", -1).decode("utf-8", "replace")
+
+    # --- node-wide: pressure, cgroups, the kernel, links -----------------------------------
+    def cgroup2_mount(self) -> Path | None:
+        """kvwatch's cgroup v2 mount (from its own mountinfo), or None when there is none."""
+        try:
+            mount = parse_cgroup2_mount(self.mountinfo("self"))
+        except ProcError:
+            return None
+        return self.under_root(mount) if mount is not None else None
+
+    def pressure(self, resource: str, cgroup_dir: Path | None = None) -> str:
+        """Pressure stall information: node-wide (``pressure/RESOURCE``), or of a cgroup v2
+        directory under ``cgroup2_mount()`` (``RESOURCE.pressure``)."""
+        path = self.proc / "pressure" / resource if cgroup_dir is None else cgroup_dir / f"{resource}.pressure"
+        return _read_file(path, 4096).decode("utf-8", "replace")
+
+    def link_speed_mbit(self, interface: str) -> int:
+        """``class/net/IF/speed`` in Mb/s (-1 or 0 where the driver does not know it)."""
+        path = self.sys / "class" / "net" / interface / "speed"
+        raw = _read_file(path, 64)
+        try:
+            return int(raw.strip())
+        except ValueError as err:
+            raise ProcError(f"{path}: not a number") from err
+
+    def kernel_btf(self) -> Path | None:
+        """The kernel's BTF (``kernel/btf/vmlinux``), when the kernel exposes it."""
+        path = self.sys / "kernel" / "btf" / "vmlinux"
+        return path if path.exists() else None

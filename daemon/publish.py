@@ -119,20 +119,21 @@ def _family_probe_views(agent: Agent) -> list[ProbeView]:
 
 
 def _probe_views(agent: Agent) -> list[ProbeView]:
-    sample = agent.memory_sample
-    hits = sample.hits if sample else {}
+    memory = agent.memory_family
+    hits = memory.sample.hits if memory.sample else {}
     views = [
         ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
-        for s in agent.statuses
+        for s in memory.statuses
     ]
     views += _family_probe_views(agent)
     return views
 
 
-def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
-    sample = agent.memory_sample
-    lost = dict(sample.lost) if sample else {}
-    lost.update(agent.userspace_lost)
+def _lost(agent: Agent) -> dict[str, int]:
+    """Every count of events kvwatch dropped, by where they were dropped."""
+    memory = agent.memory_family
+    lost = dict(memory.sample.lost) if memory.sample else {}
+    lost["malformed_events"] = memory.malformed
     lost["exec_hints_dropped"] = agent.tracker.stats.hints_dropped
     if agent.cuda_tracker is not None:
         lost.update({f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()})
@@ -140,8 +141,15 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         lost.update(agent.transfer_tracker.lost)
     if agent.engines is not None:
         lost["kv_event_batches"] = agent.engines.lost_batches
+    if memory.tiers is not None and memory.tiers.stats.map_full:
+        lost["kv_inodes_full"] = memory.tiers.stats.map_full
+    return lost
+
+
+def _process_views(agent: Agent) -> tuple[ProcessView, ...]:
     gpu = agent.gpu_used
-    procs = tuple(
+    window = agent.config.detectors.eviction_burst.window_seconds
+    return tuple(
         ProcessView(
             key=t.key,
             pid=t.pid,
@@ -153,31 +161,36 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
             gpu_used_bytes=gpu.get(t.pid),
             cuda=_cuda_view(agent, t),
             transfers=_transfer_view(agent, t),
-            engine=agent.engines.view(t, agent.config.detectors.eviction_burst.window_seconds)
-            if agent.engines
-            else None,
+            engine=agent.engines.view(t, window) if agent.engines else None,
         )
         for t in agent.tracker.tracked()
     )
-    tiers: list[TierView] = []
-    if agent.tiers is not None:
-        for tier in agent.tiers.tiers.values():
-            series = agent.tier_series.get(tier.tier_id, SeriesSet())
-            tiers.append(
-                TierView(
-                    key=f"tier:{tier.tier_id}",
-                    tier_id=tier.tier_id,
-                    name=tier.name,
-                    path=str(tier.path),
-                    source=tier.source,
-                    owners=tuple(sorted(t.pid for t in agent.tier_owners(tier))),
-                    files=len(tier.files),
-                    totals={n: series.last(n) for n in TIER_TOTALS},
-                    rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
-                )
+
+
+def _tier_views(agent: Agent) -> tuple[TierView, ...]:
+    memory = agent.memory_family
+    if memory.tiers is None:
+        return ()
+    views = []
+    for tier in memory.tiers.tiers.values():
+        series = memory.tier_series.get(tier.tier_id, SeriesSet())
+        views.append(
+            TierView(
+                key=f"tier:{tier.tier_id}",
+                tier_id=tier.tier_id,
+                name=tier.name,
+                path=str(tier.path),
+                source=tier.source,
+                owners=tuple(sorted(t.pid for t in memory.tier_owners(tier))),
+                files=len(tier.files),
+                totals={n: series.last(n) for n in TIER_TOTALS},
+                rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
             )
-        if agent.tiers.stats.map_full:
-            lost["kv_inodes_full"] = agent.tiers.stats.map_full
+        )
+    return tuple(views)
+
+
+def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
     errors = dict(agent.errors.counts)
     errors["alert_sink"] = agent.alerts.sink_errors
     watched: dict[str, int] = {}
@@ -191,13 +204,13 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         tick=agent.tick_count,
         ready=not reasons,
         not_ready_reasons=reasons,
-        processes=procs,
-        tiers=tuple(tiers),
+        processes=_process_views(agent),
+        tiers=_tier_views(agent),
         alerts=tuple(agent.alerts.active.values()),
         alerts_fired=dict(agent.alerts.fired),
-        oom_kills=dict(agent.oom_kills),
+        oom_kills=dict(agent.memory_family.oom_kills),
         probes=tuple(_probe_views(agent)),
-        lost=lost,
+        lost=_lost(agent),
         errors=errors,
         watched_by_engine=watched,
         label_overflow=agent.tracker.stats.label_overflow,

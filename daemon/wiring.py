@@ -51,13 +51,11 @@ def memory_options(config: Config) -> MemoryProbeOptions:
 
 
 def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True) -> Agent:
-    """The production wiring: real probes, real /proc, NVML when present."""
+    """The production wiring: real probes, real /proc, NVML when present. One ``ProcFS`` for
+    everyone: the agent reads through it, and the probes are handed its procfs mount."""
+    procfs = ProcFS(proc=config.discovery.proc_root)
     memory = MemoryProbes(memory_options(config)) if use_bpf and config.probes.memory else None
-    cuda = (
-        CudaProbes(cuda_options(config), proc_root=config.discovery.proc_root)
-        if use_bpf and config.probes.cuda
-        else None
-    )
+    cuda = CudaProbes(cuda_options(config), proc_root=procfs.proc) if use_bpf and config.probes.cuda else None
     nvml = None
     if config.discovery.nvml != "off":
         nvml, reason = Nvml.open()
@@ -67,20 +65,29 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
     transfer = (
         TransferProbes(
             TransferProbeOptions(pending_timeout_seconds=config.probes.transfer_pending_timeout_seconds),
-            proc_root=config.discovery.proc_root,
+            proc_root=procfs.proc,
         )
         if use_bpf and config.probes.transfer
         else None
     )
     engines = None
     if config.engines.kv_events or config.engines.metrics:
-        engines = EngineTaps(config.engines, ProcFS(config.discovery.proc_root), ErrorBook())
+        engines = EngineTaps(config.engines, procfs, ErrorBook())
     all_sinks = list(sinks)
     if config.alerts.alertmanager.url:
         from kvwatch.exporters.alertmanager import AlertmanagerSink  # noqa: PLC0415 - only when configured
 
         all_sinks.append(AlertmanagerSink(config.alerts.alertmanager))
-    return Agent(config, memory=memory, cuda=cuda, transfer=transfer, engines=engines, nvml=nvml, sinks=all_sinks)
+    return Agent(
+        config,
+        memory=memory,
+        cuda=cuda,
+        transfer=transfer,
+        engines=engines,
+        procfs=procfs,
+        nvml=nvml,
+        sinks=all_sinks,
+    )
 
 
 class Daemon:

@@ -1,4 +1,4 @@
-"""Machinery shared by every detector (detectors.md): baseline, warm-up, evidence
+"""Machinery shared by every detector (docs/architecture.md): baseline, warm-up, evidence
 floor, hysteresis, and the ``Finding`` a detector reports per subject.
 
 Detectors are pure: their output is a function of their own previous state, the
@@ -91,11 +91,6 @@ class Hysteresis:
             self.firing, self.hot_streak, self.started_at = False, 0, None
             return False, True
         return True, False
-
-
-def over_baseline(value: float, baseline: float, factor: float, floor: float) -> bool:
-    """The evidence floor: a rate must beat both ``factor`` x baseline and an absolute floor."""
-    return value >= max(factor * baseline, floor) and value > 0
 
 
 def threshold(baseline: float, factor: float, floor: float) -> float:

@@ -9,7 +9,7 @@ are counted by the probes and never alert here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvwatch.daemon.config import HostTierEvictionConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
@@ -24,7 +24,6 @@ class _TierState:
     baseline: Baseline
     hysteresis: Hysteresis
     cause: str = ""
-    peak: dict[str, float] = field(default_factory=dict)
 
 
 class HostTierEviction:

@@ -16,7 +16,6 @@ class ProcessWindow:
     age: float  # seconds since kvwatch first saw the process
     series: SeriesSet  # page_free_pages, direct_reclaim_seconds, memcg_reclaim_seconds, ...
     alive: bool = True
-    memory_cgroup: str = ""
     psi_some_avg10: float | None = None  # the process's memory cgroup, where known
     environ: Mapping[str, str] = field(default_factory=dict)
 

@@ -23,6 +23,7 @@ from kvwatch.daemon.doctor.engines import engine_canaries
 from kvwatch.daemon.doctor.transfer import transfer_canaries
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
+from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.wiring import memory_options
 from kvwatch.probes import tracefs
 from kvwatch.probes.memory import MemoryProbes, kernel_dev
@@ -39,15 +40,13 @@ CANARY_PAGES = 23
 CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN = 39, 38, 21
 
 
-def _caps() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
+def _caps(procfs: ProcFS) -> int:
+    value = procfs.status_value("self", "CapEff")
+    return int(value, 16) if value else 0
 
 
-def check_privileges() -> Check:
-    caps = _caps()
+def check_privileges(procfs: ProcFS) -> Check:
+    caps = _caps(procfs)
 
     def has(cap: int) -> bool:
         return bool(caps >> cap & 1)
@@ -74,9 +73,10 @@ def check_tracefs() -> Check:
     return Check("tracefs", OK, str(root))
 
 
-def check_btf() -> Check:
-    if Path("/sys/kernel/btf/vmlinux").exists():
-        return Check("btf", OK, "/sys/kernel/btf/vmlinux")
+def check_btf(procfs: ProcFS) -> Check:
+    btf = procfs.kernel_btf()
+    if btf is not None:
+        return Check("btf", OK, str(btf))
     return Check("btf", INFO, "no BTF: fine, kvwatch's programs read tracepoint fields only")
 
 
@@ -308,7 +308,15 @@ class Canaries:
 
 
 def run_doctor(config: Config, *, as_json: bool = False, oom_canary: bool = True) -> int:
-    checks = [check_privileges(), check_bcc(), check_tracefs(), check_btf(), check_headers(), check_kprobes()]
+    procfs = ProcFS()  # the doctor's own /proc and /sys: its canaries are its own children
+    checks = [
+        check_privileges(procfs),
+        check_bcc(),
+        check_tracefs(),
+        check_btf(procfs),
+        check_headers(),
+        check_kprobes(),
+    ]
     blocking = any(c.status == FAIL for c in checks)
     if not blocking:
         try:

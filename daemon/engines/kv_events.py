@@ -184,10 +184,9 @@ class KVEventHub:
         if self._dirty:
             self._apply()
         if not self._by_socket:
-            # pyzmq returns at once from a poll with nothing registered: without this wait
-            # the hub thread spun, holding the GIL, on every node without an engine stream
-            # (and it sleeps ten times longer than a poll would: every timer wakeup costs CPU,
-            # ~0.9 ms each on the development VM; set_streams wakes it at once)
+            # pyzmq returns at once from a poll with nothing registered, so with no stream the
+            # thread must wait here or it spins holding the GIL. It waits ten polls' worth:
+            # every timer wakeup costs CPU (docs/performance.md), and set_streams wakes it.
             self._wake.wait(10 * timeout_ms / 1000)
             self._wake.clear()
             return

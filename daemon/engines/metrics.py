@@ -1,7 +1,7 @@
 """Engine ``/metrics`` reader: the few numbers detectors join with kvwatch's own evidence.
 
 Parsed with prometheus-client's parser (the engines export with prometheus-client
-too). Names per engine (engines.md; read off vLLM 0.9.2 / 0.11.0 / 0.33.0, SGLang
+too). Names per engine (read off vLLM 0.9.2 / 0.11.0 / 0.33.0, SGLang
 0.5.23, LMCache 0.5.6 sources); where a release exports an old and a new name for
 the same thing, the first one present in each list below is used, never both.
 

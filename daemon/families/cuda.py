@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
+from kvwatch.daemon.config import Config
+from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.families.tracking import Attached, FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcessIdentity
@@ -111,3 +113,15 @@ class CudaTracker(FamilyTracker):
             libraries=tuple(lib.path for lib in att.libraries.values()),
             ucx=att.ucx,
         )
+
+
+CudaFamily = UprobeFamily[CudaProbes, CudaTracker]
+
+
+def cuda_family(probes: CudaProbes | None, config: Config, errors: ErrorBook, clock: Callable[[], float]) -> CudaFamily:
+    return UprobeFamily(
+        "cuda",
+        probes,
+        lambda p: CudaTracker(p, errors, clock=clock, rescan_seconds=config.probes.cuda_rescan_seconds),
+        enabled=config.probes.cuda,
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from kvwatch.daemon.logs import ErrorBook
@@ -27,7 +28,7 @@ class Attached:
 class FamilyTracker:
     def __init__(
         self,
-        probes: PerProcessUprobes,
+        probes: PerProcessUprobes[Any],
         errors: ErrorBook,
         *,
         clock: Callable[[], float],
@@ -115,6 +116,14 @@ class FamilyTracker:
                 if s.state is HookState.ATTACHED or s.api not in out:
                     out[s.api] = s.state
         return {a.label: out.get(a.label, HookState.MISSING) for a in self.probes.apis}
+
+    def ingest(self) -> None:
+        """Read the family's events and counters, once a tick (override)."""
+        raise NotImplementedError
+
+    def series(self, pid: int) -> dict[str, float] | None:
+        """A watched process's values for its series; None when it is not attached (override)."""
+        raise NotImplementedError
 
     def gauges(self, pid: int) -> dict[str, float]:
         """Point-in-time values of a process for the detectors (override)."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from kvwatch.daemon.config import Config
+from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.families.tracking import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.procfs import ProcError, ProcFS
 from kvwatch.probes.records import TransferDone
 from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferProbes
 
@@ -27,14 +29,14 @@ class TransferProcessState:
     libraries: tuple[str, ...]
 
 
-def link_bytes_per_second(bits_per_second: float, interface: str, sys_root: Path = Path("/sys")) -> float:
+def link_bytes_per_second(bits_per_second: float, interface: str, procfs: ProcFS) -> float:
     """The configured link speed, or the interface's own (sysfs, Mb/s); 0 when unknown."""
     if bits_per_second > 0:
         return bits_per_second / 8
     if interface:
         try:
-            mbit = int((sys_root / "class" / "net" / interface / "speed").read_text().strip())
-        except (OSError, ValueError):
+            mbit = procfs.link_speed_mbit(interface)
+        except ProcError:
             return 0.0
         return mbit * 1e6 / 8 if mbit > 0 else 0.0
     return 0.0
@@ -135,3 +137,23 @@ class TransferTracker(FamilyTracker):
             symbols_attached=att.attached,
             libraries=tuple(lib.path for lib in att.libraries.values()),
         )
+
+
+TransferFamily = UprobeFamily[TransferProbes, TransferTracker]
+
+
+def transfer_family(
+    probes: TransferProbes | None, config: Config, errors: ErrorBook, clock: Callable[[], float]
+) -> TransferFamily:
+    return UprobeFamily(
+        "transfer",
+        probes,
+        lambda p: TransferTracker(
+            p,
+            errors,
+            clock=clock,
+            rescan_seconds=config.probes.transfer_rescan_seconds,
+            peer_grace_seconds=config.detectors.transfer_collapse.peer_grace_seconds,
+        ),
+        enabled=config.probes.transfer,
+    )

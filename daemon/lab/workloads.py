@@ -253,18 +253,6 @@ def cmd_oom(args: argparse.Namespace) -> None:
         held.append(b)
 
 
-CUDA_PATTERNS = (
-    "cached",
-    "emptycache",
-    "uncached",
-    "oomretry",
-    "fragmentation",
-    "growth",
-    "expandable",
-    "asyncpool",
-)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvwatch.daemon.lab.workloads")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -10,8 +10,9 @@
 #        started by call 4 are still running: each in its own session)
 #   6.   command: bash tests/gpu/run_vllm_on_device.sh cost        (vLLM still running)
 #
-# Bundles, built here first: ../shared/gpu/make-bcc-bundle (.gpu-bundle),
-# ../shared/gpu/vllm/make-vllm-bundle (.vllm-bundle), kvwatch's wheels for Python 3.12 in .whl.
+# Carried bundles, built on the development host first (the GPU machine has no network):
+# .gpu-bundle (bcc and its libraries, with a with-bcc launcher), .vllm-bundle (vLLM 0.26.0, its
+# wheels and a tiny random-weight Llama, split in parts), and kvwatch's wheels for Python 3.12 in .whl.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"

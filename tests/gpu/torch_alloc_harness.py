@@ -1,9 +1,9 @@
-"""The allocator workload of ../shared/gpu/torch_alloc_workload.py, made watchable.
+"""A PyTorch caching-allocator workload, made watchable.
 
     python3 torch_alloc_harness.py MODE [--steps N] [--sleep S] [--pool-fraction F] [--tag T]
 
-Same modes and loop (cached, emptycache, nocache, expandable). Differences, so a
-monitor's counts can be compared exactly: it creates the CUDA context and a
+Modes: cached, emptycache, nocache, expandable. So that a monitor's counts can be
+compared exactly: it creates the CUDA context and a
 "KV pool" tensor first (like an engine at start-up), prints "ready", waits for a
 line on stdin (the monitor reads its own counters meanwhile), runs the loop, and
 prints one JSON line with the deltas of PyTorch's own counters over exactly the

@@ -274,7 +274,7 @@ def test_skipped_runs_are_the_kernels_own_count(tmp_path: Path) -> None:
 
     A munmap loop frees pages fast enough that timer interrupts land inside the
     page-free program and the RCU batches they run free page-table pages: those
-    nested runs are skipped (about 80/s on the development VM), and the count must
+    nested runs are skipped (about 80/s on a 2-core 6.18 test VM), and the count must
     be the kernel's, read by bpftool through BPF_OBJ_GET_INFO_BY_FD from another
     process, bracketed by two reads of kvwatch's own."""
     exe = tmp_path / "munmap_loop"

@@ -6,6 +6,7 @@ import counted, those inside functions too.
 * exporters read snapshots and records: never the agent, the wiring, a probe family or a
   probe loader;
 * the snapshot and the record modules it is made of import only each other;
+* probes import nothing from the daemon or the exporters;
 * bcc is imported in ``probes/bpf.py`` alone;
 * module-level imports have no cycle.
 """
@@ -114,6 +115,15 @@ def test_snapshot_and_records_are_data_only() -> None:
     assert third_party == []
 
 
+def test_probes_know_nothing_of_the_daemon() -> None:
+    bad = [
+        f"{i.source}:{i.line} -> {i.target}"
+        for i in internal()
+        if i.source.startswith("kvwatch.probes") and not i.target.startswith("kvwatch.probes")
+    ]
+    assert bad == []
+
+
 def test_bcc_in_one_module() -> None:
     users = {i.source for i in ALL if i.target == "bcc" or i.target.startswith("bcc.")}
     assert users == {"kvwatch.probes.bpf"}
@@ -139,3 +149,20 @@ def test_no_import_cycle_at_module_level() -> None:
     for n in sorted(graph):
         if n not in state:
             assert visit(n, []) is None
+
+
+def test_proc_and_sys_are_read_through_procfs_only() -> None:
+    """A path literal under /proc or /sys in the daemon or the exporters (outside the lab's
+    workloads) names a read that bypasses ``ProcFS`` and its one root. The probes keep their
+    own: tracefs, and kvwatch's own /proc/self for its BPF programs' bookkeeping."""
+    allowed = {"kvwatch.daemon.procfs", "kvwatch.daemon.config"}  # the root itself, and its default
+    bad = []
+    for name, path in MODULES.items():
+        if name.startswith(("kvwatch.probes", LAB)) or name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+                if text.startswith(("/proc", "/sys")) and not any(c.isspace() for c in text):
+                    bad.append(f"{name}:{node.lineno} {text!r}")
+    assert bad == []

@@ -47,7 +47,7 @@ PROCS = [
 
 def disc(tmp_path: Path, procs: list[FakeProc] = PROCS, **cfg: object) -> Discovery:
     root = make_proc(tmp_path / "proc", procs)
-    return Discovery(DiscoveryConfig.model_validate({"proc_root": root, **cfg}), ProcFS(root))
+    return Discovery(DiscoveryConfig.model_validate({"proc_root": root, **cfg}), ProcFS(tmp_path))
 
 
 def by_pid(d: Discovery) -> dict[int, object]:
@@ -99,14 +99,14 @@ def test_rules_can_be_replaced(tmp_path: Path) -> None:
 def test_nvml_processes_are_watched_and_errors_counted(tmp_path: Path) -> None:
     root = make_proc(tmp_path / "proc", PROCS)
     cfg = DiscoveryConfig(proc_root=root)
-    d = Discovery(cfg, ProcFS(root), nvml_pids=lambda: [107])
+    d = Discovery(cfg, ProcFS(tmp_path), nvml_pids=lambda: [107])
     found = by_pid(d)
     assert found[107].source == "nvml" and found[107].labels.engine == "unknown"  # type: ignore[attr-defined]
 
     def broken() -> list[int]:
         raise RuntimeError("NVML went away")
 
-    d2 = Discovery(cfg, ProcFS(root), nvml_pids=broken)
+    d2 = Discovery(cfg, ProcFS(tmp_path), nvml_pids=broken)
     assert 107 not in by_pid(d2)
     assert d2.stats.errors == 1
 
@@ -122,7 +122,7 @@ def test_hostile_names_and_cmdlines(tmp_path: Path) -> None:
     assert 201 in found and found[201].labels.component == "worker"  # type: ignore[attr-defined]
     assert 202 in found  # matched despite invalid UTF-8; cmdline read is capped
     assert len(found[202].cmdline) <= 4096  # type: ignore[attr-defined]
-    st = ProcFS(tmp_path / "proc").stat(200)
+    st = ProcFS(tmp_path).stat(200)
     assert st.comm == "x) (y z" and st.start_ticks == 1000
 
 
@@ -139,7 +139,7 @@ def test_vanishing_and_unreadable_processes(tmp_path: Path) -> None:
                 raise ProcessGone("vanished mid-scan")
             return super().cmdline(pid)
 
-    d = Discovery(DiscoveryConfig(proc_root=root), Flaky(root))
+    d = Discovery(DiscoveryConfig(proc_root=root), Flaky(tmp_path))
     found = by_pid(d)
     assert set(found) == {100, 101, 108}
     assert d.stats.vanished >= 4
@@ -147,7 +147,7 @@ def test_vanishing_and_unreadable_processes(tmp_path: Path) -> None:
 
 def test_recycled_pid_detected(tmp_path: Path) -> None:
     root = make_proc(tmp_path / "proc", [FakeProc(300, "VLLM::Worker", ["VLLM::Worker"], start=5)])
-    fs = ProcFS(root)
+    fs = ProcFS(tmp_path)
     calls = {"n": 0}
 
     class Recycling(ProcFS):
@@ -158,7 +158,7 @@ def test_recycled_pid_detected(tmp_path: Path) -> None:
                 (root / "300" / "stat").write_text((root / "300" / "stat").read_text().replace(" 5 ", " 6 "))
             return st
 
-    d = Discovery(DiscoveryConfig(proc_root=root), Recycling(root))
+    d = Discovery(DiscoveryConfig(proc_root=root), Recycling(tmp_path))
     assert d.scan() == []
     assert fs.identity(300).start_ticks == 6
 

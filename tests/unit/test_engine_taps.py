@@ -9,14 +9,9 @@ from typing import Any
 import pytest
 from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engines.taps import (
-    EngineTaps,
-    Reach,
-    data_parallel_ranks,
-    flag_values,
-    local_ipv4,
-    plan_from_cmdline,
-)
+from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, plan_from_cmdline
+from kvwatch.daemon.engines.reach import Reach, local_ipv4
+from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.series import SeriesSet
@@ -56,8 +51,9 @@ def tracked(
         (root / str(pid) / "ns" / "net").write_text("")
         (root / str(pid) / "net").mkdir()
         (root / str(pid) / "net" / "fib_trie").write_text(FIB_TRIE)
-    (proc,) = Discovery(DiscoveryConfig(proc_root=root), ProcFS(root)).scan()
-    return Tracked(proc, 0.0, SeriesSet()), Reach(root)
+    fs = ProcFS(tmp_path)
+    (proc,) = Discovery(DiscoveryConfig(proc_root=root), fs).scan()
+    return Tracked(proc, 0.0, SeriesSet()), Reach(fs)
 
 
 def plan(tmp_path: Path, argv: list[str], cfg: EnginesConfig | None = None, **kw: Any) -> Any:
@@ -187,7 +183,7 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
             FakeProc(402, "vllm", [*VLLM, "--port", "9000"], start=3000),
         ],
     )
-    procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), ProcFS(root)).scan()}
+    procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), ProcFS(tmp_path)).scan()}
     t = [
         Tracked(procs[400], 1.0, SeriesSet()),
         Tracked(procs[401], 2.0, SeriesSet()),
@@ -208,7 +204,7 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
         }
     ).engines
     hub, scraper = _Recorder(), _Recorder()
-    taps = EngineTaps(cfg, ProcFS(root), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
+    taps = EngineTaps(cfg, ProcFS(tmp_path), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
     taps.sync(t)
     owners = {s.endpoint: s.owner for s in hub.streams}
     assert owners == {
@@ -226,7 +222,7 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
 
 
 def test_endpoint_config_errors_all_named() -> None:
-    from kvwatch.daemon.config import ConfigError, load_config
+    from kvwatch.daemon.config_load import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(
@@ -251,16 +247,17 @@ def test_wrapper_carrying_kv_events_config_is_tapped(tmp_path: Path) -> None:
     a --port (the wrapper may serve no HTTP at all)."""
     argv = ["/usr/bin/python3", "/srv/launch_llm.py", "--model", "m", "--kv-events-config", json.dumps(KV)]
     root = make_proc(tmp_path / "proc", [FakeProc(77, "python3", argv)])
-    (proc,) = Discovery(DiscoveryConfig(proc_root=root, pids=[77]), ProcFS(root)).scan()
+    fs = ProcFS(tmp_path)
+    (proc,) = Discovery(DiscoveryConfig(proc_root=root, pids=[77]), fs).scan()
     assert proc.labels.engine == "unknown"
-    p = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), argv, EnginesConfig(), Reach(root))
+    p = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), argv, EnginesConfig(), Reach(fs))
     assert p is not None and [s.endpoint for s in p.streams] == ["tcp://127.0.0.1:5557"]
     assert p.metrics_url is None
     with_port = [*argv, "--port", "8100"]
-    p2 = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), with_port, EnginesConfig(), Reach(root))
+    p2 = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), with_port, EnginesConfig(), Reach(fs))
     assert p2 is not None and p2.metrics_url == "http://127.0.0.1:8100/metrics"
     bare = ["/usr/bin/python3", "/srv/launch_llm.py", "--model", "m"]
-    assert plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), bare, EnginesConfig(), Reach(root)) is None
+    assert plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), bare, EnginesConfig(), Reach(fs)) is None
 
 
 def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
@@ -284,13 +281,13 @@ def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
             }
         }
     )
-    disc = Discovery(DiscoveryConfig(proc_root=root), ProcFS(root), endpoints=cfg.engines.endpoints)
+    disc = Discovery(DiscoveryConfig(proc_root=root), ProcFS(tmp_path), endpoints=cfg.engines.endpoints)
     found = {p.pid: p for p in disc.scan()}
     assert set(found) == {81, 82}
     assert (found[81].labels.engine, found[81].source) == ("vllm", "rule")
     assert (found[82].labels.engine, found[82].source) == ("unknown", "manual")
     hub, scraper = _Recorder(), _Recorder()
-    taps = EngineTaps(cfg.engines, ProcFS(root), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
+    taps = EngineTaps(cfg.engines, ProcFS(tmp_path), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
     taps.sync([Tracked(found[81], 1.0, SeriesSet()), Tracked(found[82], 1.0, SeriesSet())])
     assert [s.endpoint for s in hub.streams] == ["tcp://127.0.0.1:6000"]
     assert [t.url for t in scraper.targets] == ["http://127.0.0.1:9100/metrics"]
@@ -321,10 +318,11 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
             FakeProc(502, "VLLM::EngineCor", ["VLLM::EngineCore"], ppid=1, start=3000),  # another engine's
         ],
     )
-    procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), ProcFS(root)).scan()}
+    fs = ProcFS(tmp_path)
+    procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), fs).scan()}
     t = {pid: Tracked(procs[pid], float(pid), SeriesSet()) for pid in procs}
     scraper = _Sleeping()
-    taps = EngineTaps(EnginesConfig(), ProcFS(root), ErrorBook(), hub=_Recorder(), scraper=scraper, clock=lambda: 1.0)  # type: ignore[arg-type]
+    taps = EngineTaps(EnginesConfig(), fs, ErrorBook(), hub=_Recorder(), scraper=scraper, clock=lambda: 1.0)  # type: ignore[arg-type]
     taps.sync(t.values())
     scraper.at = 1.0
     taps.add_series(t.values(), 1.0)

@@ -51,7 +51,7 @@ class Clock:
 
 def setup(tmp_path: Path, procs: list[FakeProc], **cfg: object) -> tuple[ProcessTracker, FakeKernel, Clock, Path]:
     root = make_proc(tmp_path / "proc", procs)
-    fs = ProcFS(root)
+    fs = ProcFS(tmp_path)
     config = DiscoveryConfig.model_validate({"proc_root": root, **cfg})
     kernel, clock = FakeKernel(), Clock()
     tr = ProcessTracker(Discovery(config, fs), fs, kernel, clock=clock, max_processes=config.max_processes)
@@ -193,7 +193,8 @@ def test_tier_inodes_follow_files(tmp_path: Path) -> None:
     kv.mkdir()
     (kv / "a.bin").write_bytes(b"x")
     sink, clock = FakeInodes(), Clock()
-    reg = KVTierRegistry(KVTiersConfig(dirs=[{"path": kv}], rescan_seconds=3600), sink, clock=clock)  # type: ignore[list-item]
+    config = KVTiersConfig(dirs=[{"path": kv}], rescan_seconds=3600)  # type: ignore[list-item]
+    reg = KVTierRegistry(config, sink, procfs=ProcFS(tmp_path), clock=clock)
     reg.sync([])
     reg.refresh()
     assert len(sink.inodes) == 1
@@ -221,7 +222,8 @@ def test_tier_map_full_is_counted(tmp_path: Path) -> None:
     for i in range(5):
         (kv / f"{i}.bin").write_bytes(b"x")
     sink = FakeInodes(capacity=3)
-    reg = KVTierRegistry(KVTiersConfig(dirs=[{"path": kv}]), sink, clock=Clock())  # type: ignore[list-item]
+    config = KVTiersConfig(dirs=[{"path": kv}])  # type: ignore[list-item]
+    reg = KVTierRegistry(config, sink, procfs=ProcFS(tmp_path), clock=Clock())
     reg.sync([])
     assert len(sink.inodes) == 3 and reg.stats.map_full == 2
     reg.close()
@@ -247,9 +249,9 @@ def test_engine_environment_dirs(tmp_path: Path) -> None:
             )
         ],
     )
-    fs = ProcFS(root)
+    fs = ProcFS(tmp_path)
     d = Discovery(DiscoveryConfig(proc_root=root), fs).scan()[0]
-    (spec,) = specs_from_process(d, root)
+    (spec,) = specs_from_process(d, fs)
     assert spec.path == root / "40" / "root" / "nvme" / "h"  # seen through the process's own root
     assert spec.source == "hicache" and spec.owner == d.identity
 

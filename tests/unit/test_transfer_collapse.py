@@ -9,6 +9,7 @@ from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.transfer_collapse import ALERT, TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.families.transfer import link_bytes_per_second
+from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.series import SeriesSet
 
 MB = 1e6
@@ -112,12 +113,14 @@ def test_evidence_floor_and_warmup() -> None:
 
 
 def test_link_speed_from_config_or_sysfs(tmp_path: Path) -> None:
-    assert link_bytes_per_second(400e9, "") == 50e9
-    (tmp_path / "class" / "net" / "ib0").mkdir(parents=True)
-    (tmp_path / "class" / "net" / "ib0" / "speed").write_text("200000\n")
-    assert link_bytes_per_second(0, "ib0", tmp_path) == 25e9
-    (tmp_path / "class" / "net" / "veth0").mkdir(parents=True)
-    (tmp_path / "class" / "net" / "veth0" / "speed").write_text("-1\n")
-    assert link_bytes_per_second(0, "veth0", tmp_path) == 0.0
-    assert link_bytes_per_second(0, "nope", tmp_path) == 0.0
+    fs = ProcFS(tmp_path)
+    assert link_bytes_per_second(400e9, "", fs) == 50e9
+    net = tmp_path / "sys" / "class" / "net"
+    (net / "ib0").mkdir(parents=True)
+    (net / "ib0" / "speed").write_text("200000\n")
+    assert link_bytes_per_second(0, "ib0", fs) == 25e9
+    (net / "veth0").mkdir(parents=True)
+    (net / "veth0" / "speed").write_text("-1\n")
+    assert link_bytes_per_second(0, "veth0", fs) == 0.0
+    assert link_bytes_per_second(0, "nope", fs) == 0.0
     assert ALERT == "KVTransferBandwidthCollapse"

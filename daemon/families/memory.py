@@ -1,0 +1,254 @@
+"""The kernel-memory family in the loop: its program's lifecycle, the events it sends
+(process lifecycle, OOM kills), the per-process and per-tier series its counters feed,
+and the KV tiers whose files it watches.
+
+Unlike the uprobe families it has no attacher thread: its probes are tracepoints,
+attached once for the whole node, and the loop's poll waits on its ring buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+import structlog
+from kvwatch.daemon.config import Config
+from kvwatch.daemon.detectors.base import Subject
+from kvwatch.daemon.detectors.view import OomEvent, ProcessWindow, TierWindow
+from kvwatch.daemon.discovery import DiscoveredProcess
+from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
+from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.oom_events import oom_event
+from kvwatch.daemon.procfs import ProcFS
+from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.tracker import ProcessTracker, Tracked
+from kvwatch.probes.errors import ProbeError
+from kvwatch.probes.memory import HOOKS, MemoryProbes
+from kvwatch.probes.records import (
+    HookState,
+    HookStatus,
+    MemorySample,
+    OomKill,
+    ProcessExec,
+    ProcessExited,
+    ProcessForked,
+    ProcessRenamed,
+)
+
+log = structlog.get_logger("kvwatch.memory")
+
+PAGE_SIZE = 4096
+PROCESS_TOTALS = (
+    "page_free_pages",
+    "direct_reclaim_seconds",
+    "direct_reclaim_count",
+    "memcg_reclaim_seconds",
+    "memcg_reclaim_count",
+)
+TIER_SERIES_SECONDS = 120.0
+
+OomKey = tuple[str, str, str, str]  # engine, role, container, pod
+
+
+class MemoryFamily:
+    def __init__(
+        self,
+        config: Config,
+        probes: MemoryProbes | None,
+        tracker: ProcessTracker,
+        procfs: ProcFS,
+        errors: ErrorBook,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.probes = probes
+        self.tracker = tracker
+        self.procfs = procfs
+        self.errors = errors
+        self.clock = clock
+        self.statuses: list[HookStatus] = []
+        self.tiers: KVTierRegistry | None = None
+        self.tier_series: dict[int, SeriesSet] = {}
+        self.tier_first_seen: dict[int, float] = {}
+        self.oom_kills: dict[OomKey, int] = {}
+        self.sample: MemorySample | None = None  # the last one: hits and losses of the hooks
+        self.malformed = 0  # ring-buffer records that did not decode
+        self._pending_oom: list[OomEvent] = []
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Load and attach; a program that does not load is recorded and every hook marked failed."""
+        if self.probes is None:
+            return
+        try:
+            self.statuses = self.probes.start()
+        except ProbeError as err:
+            self.errors.record("probe_load", "kernel-memory probes did not load", err)
+            self.statuses = [
+                HookStatus(h.name, "memory", h.tracepoint, HookState.FAILED, str(err), h.required) for h in HOOKS
+            ]
+            self.probes = None
+            self.tracker.kernel = None
+        else:
+            self.tiers = KVTierRegistry(
+                self.config.kv_tiers,
+                self.probes,
+                procfs=self.procfs,
+                max_tiers=self.probes.options.max_tiers,
+                clock=self.clock,
+            )
+        for st in self.statuses:
+            if st.state is not HookState.ATTACHED:
+                log.warning("probe not attached", probe=st.name, state=st.state.value, reason=st.reason)
+
+    def poll(self, wait_seconds: float, stop: threading.Event) -> None:
+        """Wait for the ring buffer (or ``stop``) at most ``wait_seconds``, draining it."""
+        if self.probes is None:
+            stop.wait(wait_seconds)
+            return
+        try:
+            self.probes.poll(int(wait_seconds * 1000))
+        except Exception as err:
+            self.errors.record("ring_poll", "ring buffer poll failed", err)
+            stop.wait(wait_seconds)
+
+    def has_urgent_events(self) -> bool:
+        """OOM kills are acted on at once, not at the next tick."""
+        return self.probes is not None and any(isinstance(e, OomKill) for e in self.probes.pending())
+
+    def not_ready_reasons(self) -> tuple[str, ...]:
+        if self.probes is None and any(f for f in self.config.probes.memory):
+            return ("kernel-memory probes not loaded",)
+        return tuple(
+            f"{s.family}/{s.name}: {s.state.value} ({s.reason})"
+            for s in self.statuses
+            if s.required and s.state not in (HookState.ATTACHED, HookState.DISABLED)
+        )
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
+        if self.probes is not None:
+            self.probes.close()
+
+    # --- events ---------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Apply the events the ring buffer delivered: the process tree changes, OOM kills."""
+        if self.probes is None:
+            return
+        batch = self.probes.take_events()
+        self.malformed += batch.malformed
+        for ev in batch.events:
+            if isinstance(ev, ProcessForked):
+                self.tracker.on_fork(ev.parent_tgid, ev.child_pid)
+            elif isinstance(ev, ProcessExited):
+                self.tracker.on_exit(ev.tgid)
+            elif isinstance(ev, ProcessExec):
+                self.tracker.hint(ev.pid)
+            elif isinstance(ev, ProcessRenamed):
+                self.tracker.hint(ev.tgid)
+            elif isinstance(ev, OomKill):
+                self._on_oom(ev)
+
+    def _on_oom(self, ev: OomKill) -> None:
+        event = oom_event(
+            ev,
+            self.tracker,
+            self.procfs,
+            include_siblings=self.config.detectors.oom.include_cgroup_siblings,
+            now=self.clock(),
+        )
+        if event is None:
+            if ev.watched:
+                self.errors.record("oom_untracked", "OOM victim was watched in the kernel but not tracked")
+            return
+        self._pending_oom.append(event)
+        lab = event.subject.labels
+        k = (lab["engine"], lab["role"], lab["container"], lab["pod"])
+        self.oom_kills[k] = self.oom_kills.get(k, 0) + 1
+        if not event.sibling_of:
+            self.tracker.on_exit(ev.victim_pid)
+
+    def take_oom_events(self) -> list[OomEvent]:
+        out, self._pending_oom = self._pending_oom, []
+        return out
+
+    # --- KV tiers -------------------------------------------------------------------------
+    def sync_tiers(self, processes: Iterable[DiscoveredProcess]) -> None:
+        """The tiers the watched processes name (environment, command line) and the config's."""
+        if self.tiers is not None:
+            self.tiers.sync(processes)
+
+    def refresh_tiers(self) -> None:
+        if self.tiers is not None:
+            self.tiers.refresh()
+
+    def tier_owners(self, tier: Tier) -> list[Tracked]:
+        """Processes a tier belongs to: named by their environment or config, or seen
+        (by the kernel) bringing the tier's pages into the page cache."""
+        readers = self.sample.tier_readers if self.sample else {}
+        config_pids = {d.owner_pid for d in self.config.kv_tiers.dirs if d.owner_pid and str(d.path) == str(tier.path)}
+        return [
+            t
+            for t in self.tracker.tracked()
+            if t.proc.identity in tier.owners or (t.pid, tier.tier_id) in readers or t.pid in config_pids
+        ]
+
+    # --- series ---------------------------------------------------------------------------
+    def ingest(self, now: float) -> None:
+        """Read the counters once: each tracked process's totals, each tier's pages."""
+        if self.probes is None:
+            return
+        sample = self.probes.sample()
+        self.sample = sample
+        for t in self.tracker.tracked():
+            c = sample.processes.get(t.pid)
+            if c is None:
+                totals = dict.fromkeys(PROCESS_TOTALS, 0.0)
+            else:
+                totals = {
+                    "page_free_pages": float(c.page_free_pages),
+                    "direct_reclaim_seconds": c.direct_reclaim_ns / 1e9,
+                    "direct_reclaim_count": float(c.direct_reclaim_count),
+                    "memcg_reclaim_seconds": c.memcg_reclaim_ns / 1e9,
+                    "memcg_reclaim_count": float(c.memcg_reclaim_count),
+                }
+            t.totals = totals
+            t.series.add(now, totals)
+        if self.tiers is None:
+            return
+        for tier_id in self.tiers.tier_by_id():
+            c2 = sample.tiers.get(tier_id)
+            pages = {
+                "reclaim_pages": float(c2.reclaim_pages) if c2 else 0.0,
+                "policy_pages": float(c2.policy_pages) if c2 else 0.0,
+                "refault_pages": float(c2.refault_pages) if c2 else 0.0,
+                "added_pages": float(c2.added_pages) if c2 else 0.0,
+            }
+            pages["reclaim_bytes"] = pages["reclaim_pages"] * PAGE_SIZE
+            pages["policy_bytes"] = pages["policy_pages"] * PAGE_SIZE
+            self.tier_series.setdefault(tier_id, SeriesSet(TIER_SERIES_SECONDS)).add(now, pages)
+            self.tier_first_seen.setdefault(tier_id, now)
+
+    def tier_windows(self, now: float, processes: dict[str, ProcessWindow]) -> dict[str, TierWindow]:
+        """What the tier detectors see: each tier's series, labelled by its first owner."""
+        if self.tiers is None:
+            return {}
+        windows: dict[str, TierWindow] = {}
+        for tier in self.tiers.tiers.values():
+            series = self.tier_series.get(tier.tier_id)
+            if series is None:
+                continue
+            owners = tuple(processes[t.key] for t in self.tier_owners(tier))
+            labels = {"tier": tier.name}
+            if owners:
+                labels.update(owners[0].subject.labels)
+            key = f"tier:{tier.tier_id}"
+            windows[key] = TierWindow(
+                subject=Subject(key, labels),
+                age=now - self.tier_first_seen.get(tier.tier_id, now),
+                series=series,
+                owners=owners,
+            )
+        return windows
