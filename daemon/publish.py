@@ -32,15 +32,15 @@ PROCESS_RATES = (
     "cuda_freed_bytes",
     "xfer_bytes",
 )
-KV_REMOVED_PREFIX = "kv_removed_blocks:"
+KV_RATE_PREFIXES = ("kv_removed_blocks:", "kv_regretted_blocks:")  # per medium
 CUDA_API_CLASSES = {
     a.label: "alloc" if a.is_alloc else "free" if a.is_free else "map" for a in CUDA_APIS if not a.is_copy
 }
 
 
 def _process_rates(t: Tracked) -> dict[str, float]:
-    """The fixed rates, plus KV blocks removed per medium (``kv_removed_blocks:GPU``)."""
-    names = [*PROCESS_RATES, *(n for n in t.series.series if n.startswith(KV_REMOVED_PREFIX))]
+    """The fixed rates, plus KV blocks removed and regretted per medium (``kv_removed_blocks:GPU``)."""
+    names = [*PROCESS_RATES, *(n for n in t.series.series if n.startswith(KV_RATE_PREFIXES))]
     return t.series.rates(names, RATE_WINDOW)
 
 
@@ -141,6 +141,7 @@ def _lost(agent: Agent) -> dict[str, int]:
         lost.update(agent.transfer_tracker.lost)
     if agent.engines is not None:
         lost["kv_event_batches"] = agent.engines.lost_batches
+        lost.update(agent.engines.blocks_forgotten)
     if memory.tiers is not None and memory.tiers.stats.map_full:
         lost["kv_inodes_full"] = memory.tiers.stats.map_full
     return lost

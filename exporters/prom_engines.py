@@ -5,11 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.engines.records import EngineSample, EngineView, StreamStats, TargetState
+from kvwatch.daemon.engines.records import (
+    REGRET_BUCKETS,
+    EngineSample,
+    EngineView,
+    MediumTotals,
+    StreamStats,
+    TargetState,
+)
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from kvwatch.exporters.prom_aggregates import cache_resets
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 # per KV event stream: StreamStats attribute, metric name, help
 STREAM_COUNTERS = (
@@ -59,6 +66,7 @@ class _KvEventFamilies:
             "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
             labels=[*labels, "medium"],
         )
+        self.regret = _RegretFamilies([*labels, "medium"])
         self.resets = CounterMetricFamily(
             "kvwatch_kv_cache_resets", "AllBlocksCleared events (prefix-cache reset, sleep)", labels=labels
         )
@@ -75,10 +83,11 @@ class _KvEventFamilies:
 
     def add(self, v: list[str], e: EngineView) -> None:
         if e.streams:
-            for medium, (a, b, c) in sorted(e.media.items()):
-                self.stored.add_metric([*v, medium], a)
-                self.removed.add_metric([*v, medium], b)
-                self.young.add_metric([*v, medium], c)
+            for medium, m in sorted(e.media.items()):
+                self.stored.add_metric([*v, medium], m.stored)
+                self.removed.add_metric([*v, medium], m.removed)
+                self.young.add_metric([*v, medium], m.removed_young)
+                self.regret.add([*v, medium], m, e.regret_ratio.get(medium))
             self.resets.add_metric(v, cache_resets(e.streams))
         for x in e.streams:
             self._add_stream([*v, x.spec.endpoint, str(x.spec.dp_rank)], x)
@@ -91,9 +100,50 @@ class _KvEventFamilies:
             self.bad.add_metric([*sv, kind], n)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.stored, self.removed, self.young, self.resets, self.connected)
+        yield from (self.stored, self.removed, self.young)
+        yield from self.regret.families()
+        yield from (self.resets, self.connected)
         yield from (self.per_stream[a] for a in ("batches", "gaps", "replayed", "lost"))
         yield from (self.bad, self.per_stream["restarts"])
+
+
+class _RegretFamilies:
+    """Evictions the engine regretted: removed blocks it stored again, from its KV event stream."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.blocks = CounterMetricFamily(
+            "kvwatch_kv_blocks_regretted",
+            "KV blocks stored again after the engine removed them (a removal among the last "
+            "engines.regret_memory_blocks remembered): evictions the engine regretted",
+            labels=labels,
+        )
+        self.tokens = CounterMetricFamily(
+            "kvwatch_kv_regret_recomputed_tokens",
+            "tokens of the regretted blocks (block_size each): what their eviction made the engine compute again",
+            labels=labels,
+        )
+        self.seconds = HistogramMetricFamily(
+            "kvwatch_kv_regret_seconds", "time from a regretted block's removal to its store again", labels=labels
+        )
+        self.ratio = GaugeMetricFamily(
+            "kvwatch_kv_regret_ratio",
+            "regretted over removed KV blocks, over the KVEvictionBurst window (absent without removals)",
+            labels=labels,
+        )
+
+    def add(self, v: list[str], m: MediumTotals, ratio: float | None) -> None:
+        self.blocks.add_metric(v, m.regretted)
+        self.tokens.add_metric(v, m.regret_tokens)
+        cumulative, buckets = 0, []
+        for le, n in zip((*map(str, REGRET_BUCKETS), "+Inf"), m.regret_buckets, strict=True):
+            cumulative += n
+            buckets.append((le, cumulative))
+        self.seconds.add_metric(v, buckets, m.regret_seconds)
+        if ratio is not None:
+            self.ratio.add_metric(v, ratio)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.blocks, self.tokens, self.seconds, self.ratio)
 
 
 class _ScrapeFamilies:

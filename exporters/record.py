@@ -78,9 +78,10 @@ def _kv_totals(p: ProcessView) -> dict[str, float]:
     if p.engine is None:
         return {}
     out: dict[str, float] = {}
-    for medium, (stored, removed, _young) in p.engine.media.items():
-        out[f"stored {medium}"] = float(stored)
-        out[f"removed {medium}"] = float(removed)
+    for medium, m in p.engine.media.items():
+        out[f"stored {medium}"] = float(m.stored)
+        out[f"removed {medium}"] = float(m.removed)
+        out[f"regretted {medium}"] = float(m.regretted)
     return out
 
 
@@ -116,6 +117,8 @@ class TraceRecorder:
     _last: dict[tuple[int, str], tuple[float, dict[str, float]]] = field(default_factory=dict)
     _alerts: dict[tuple[str, str], _Alert] = field(default_factory=dict)
     _lost0: dict[str, int] | None = None
+    # pid -> (when, regretted blocks per medium, regretting) at the last sample
+    _regret: dict[int, tuple[float, dict[str, int], bool]] = field(default_factory=dict)
     lost: dict[str, int] = field(default_factory=dict)
     ended_at: float | None = None  # monotonic seconds of the last sample
 
@@ -185,6 +188,7 @@ class TraceRecorder:
             kv = _kv_totals(p)
             if kv:
                 self._counter("kv_blocks", pid=p.pid, tid=Lane.KV_BLOCKS, name="KV blocks", now_us=now_us, totals=kv)
+                self._regret_burst(p, now_us)
         for tier in snap.tiers:
             t = tier.totals
             self._counter(
@@ -204,6 +208,18 @@ class TraceRecorder:
         if self._lost0 is None:
             self._lost0 = lost
         self.lost = {k: v - self._lost0.get(k, 0) for k, v in lost.items() if v - self._lost0.get(k, 0)}
+
+    def _regret_burst(self, p: ProcessView, now_us: float) -> None:
+        """An instant where an engine begins storing blocks it removed (a tick with regrets after
+        one without), at the start of that tick like the counters; the KV blocks lane counts them."""
+        totals = {m: t.regretted for m, t in p.engine.media.items()} if p.engine else {}
+        prev = self._regret.get(p.pid)
+        grew = {m: n - prev[1].get(m, 0) for m, n in totals.items() if prev and n > prev[1].get(m, 0)}
+        self._regret[p.pid] = (now_us, totals, bool(grew))
+        if prev is not None and grew and not prev[2]:
+            args = {f"regretted {m}": n for m, n in sorted(grew.items())}
+            event = {"ph": "i", "s": "t", "name": "KV eviction regret", "pid": p.pid, "tid": Lane.KV_BLOCKS}
+            self._add("kv_regret", {**event, "ts": prev[0], "args": args})
 
     def _track_alerts(self, snap: Snapshot, now_us: float) -> None:
         active = set()

@@ -44,6 +44,7 @@ class TopRow(msgspec.Struct, frozen=True, kw_only=True):
     xfer_effective_bps: float  # NIXL: bytes over time spent in transfers
     link_pct: float | None  # effective bandwidth as % of the link; None when the link is unknown
     kv_removed_per_s: float | None  # KV blocks removed (engine events); None without an event stream
+    regret_pct: float | None = None  # % of removed blocks stored again (the worst medium); None: no removals
     alerts: tuple[str, ...] = ()
 
 
@@ -122,6 +123,7 @@ def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow
         xfer_effective_bps=eff,
         link_pct=100.0 * eff / snap.link_bytes_per_second if snap.link_bytes_per_second > 0 and eff > 0 else None,
         kv_removed_per_s=sum(removed) if removed else None,
+        regret_pct=100.0 * max(p.engine.regret_ratio.values()) if p.engine and p.engine.regret_ratio else None,
         alerts=tuple(sorted(alerts.get(str(p.pid), []))),
     )
 

@@ -4,7 +4,8 @@ One thread (the hub) owns every socket: SUBs for the streams, their socket monit
 (connected or not), and DEALERs for the replay endpoints. It decodes each batch
 (``kv_wire``), counts stored / removed blocks per medium, measures how long a removed
 block had been stored (the engine's own timestamps: "young" removals are hot blocks
-evicted), and keeps the sequence honest:
+evicted) and which removed blocks the engine stored again (regretted evictions; both in
+``blocks.py``), and keeps the sequence honest:
 
 * a sequence number jumping ahead is a gap: those batches are asked for again on the
   replay endpoint when there is one; what the replay cannot serve is counted lost;
@@ -21,11 +22,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import zmq
-from kvwatch.daemon.engines.records import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.records import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
     REMOVED,
@@ -47,14 +49,6 @@ DRAIN_PER_WAKEUP = 2000
 
 
 @dataclass(slots=True)
-class _Medium:
-    stored: int = 0
-    removed: int = 0
-    young: int = 0
-    ages: dict[int | bytes, float] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
 class _Replay:
     start: int
     covers: frozenset[int]
@@ -62,7 +56,9 @@ class _Replay:
 
 
 class _Stream:
-    def __init__(self, spec: StreamSpec, ctx: zmq.Context[zmq.Socket[bytes]], now: float) -> None:
+    def __init__(
+        self, spec: StreamSpec, ctx: zmq.Context[zmq.Socket[bytes]], now: float, bounds: tuple[int, int]
+    ) -> None:
         self.spec = spec
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -76,7 +72,8 @@ class _Stream:
         self.decoder = Decoder()
         self.connected = False
         self.expected: int | None = None
-        self.media: dict[str, _Medium] = {}
+        self.bounds = bounds  # per medium: store times, removals remembered
+        self.media: dict[str, MediumBlocks] = {}
         self.batches = self.events = self.cleared = 0
         self.gaps = self.missed = self.replayed = self.lost = self.restarts = self.replay_requests = 0
         self.errors: dict[str, int] = {}
@@ -98,7 +95,7 @@ class _Stream:
             connected=self.connected,
             batches=self.batches,
             events=self.events,
-            media={k: MediumTotals(m.stored, m.removed, m.young) for k, m in self.media.items()},
+            media={k: m.totals() for k, m in self.media.items()},
             cleared=self.cleared,
             gaps=self.gaps,
             missed=self.missed,
@@ -110,7 +107,7 @@ class _Stream:
             last_seq=None if self.expected is None else self.expected - 1,
             last_batch_ts=self.last_ts,
             last_message_at=self.last_at,
-            tracked_blocks=sum(len(m.ages) for m in self.media.values()),
+            tracked_blocks=sum(m.remembered for m in self.media.values()),
         )
 
 
@@ -122,12 +119,13 @@ class KVEventHub:
         *,
         thrash_seconds: float = 10.0,
         max_tracked_blocks: int = 1_000_000,
+        regret_memory_blocks: int = 524_288,
         replay_timeout_seconds: float = 2.0,
         max_replay_batches: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.thrash_seconds = thrash_seconds
-        self.max_tracked = max_tracked_blocks
+        self.bounds = (max_tracked_blocks, regret_memory_blocks)
         self.replay_timeout = replay_timeout_seconds
         self.max_replay = max_replay_batches
         self.clock = clock
@@ -225,7 +223,7 @@ class KVEventHub:
                 st.close()
             for spec in wanted - self._streams.keys():
                 try:
-                    st = _Stream(spec, self._ctx, self.clock())
+                    st = _Stream(spec, self._ctx, self.clock(), self.bounds)
                 except zmq.ZMQError as err:
                     self._fail("connect", err)
                     continue
@@ -282,7 +280,7 @@ class KVEventHub:
                 st.missing.clear()
                 st.pending = None
                 for m in st.media.values():
-                    m.ages.clear()
+                    m.clear()
         st.expected = seq + 1
 
     def _ingest(self, st: _Stream, payload: bytes) -> None:
@@ -300,43 +298,22 @@ class KVEventHub:
         young_before = ts - self.thrash_seconds
         for ev in batch.events:
             if isinstance(ev, STORED):
-                m = self._medium(st, ev.medium)
-                hashes = ev.block_hashes
-                m.stored += len(hashes)
-                ages = m.ages
-                for h in hashes:
-                    ages.pop(h, None)
-                    ages[h] = ts
-                if len(ages) > self.max_tracked:
-                    self._trim(ages)
+                self._medium(st, ev.medium).store(ev.block_hashes, ts, ev.block_size)
             elif isinstance(ev, REMOVED):
-                m = self._medium(st, ev.medium)
-                hashes = ev.block_hashes
-                m.removed += len(hashes)
-                ages = m.ages
-                for h in hashes:
-                    t = ages.pop(h, None)
-                    if t is not None and t > young_before:
-                        m.young += 1
+                self._medium(st, ev.medium).remove(ev.block_hashes, ts, young_before)
             elif isinstance(ev, CLEARED):
                 st.cleared += 1
                 for m in st.media.values():
-                    m.ages.clear()
+                    m.clear()
 
-    def _medium(self, st: _Stream, name: str | None) -> _Medium:
+    def _medium(self, st: _Stream, name: str | None) -> MediumBlocks:
         key = name or DEFAULT_MEDIUM
         m = st.media.get(key)
         if m is None:
             if len(st.media) >= MAX_MEDIA or len(key) > 32 or not key.isprintable():
                 key = "other"
-            m = st.media.setdefault(key, _Medium())
+            m = st.media.setdefault(key, MediumBlocks(*st.bounds))
         return m
-
-    def _trim(self, ages: dict[int | bytes, float]) -> None:
-        """Forget the oldest tenth (insertion order is store order)."""
-        drop = max(len(ages) - self.max_tracked * 9 // 10, 1)
-        for k in list(ages)[:drop]:  # pragma: no branch
-            del ages[k]
 
     # --- replay -----------------------------------------------------------------------------------
     def _ask_replay(self, st: _Stream, lo: int, hi: int, now: float) -> None:

@@ -18,11 +18,34 @@ class StreamSpec:
     owner: str = ""  # the watched process's key
 
 
+# Upper bounds (seconds) of the histogram of time from a block's removal to its store again.
+REGRET_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 1800.0)
+
+
 @dataclass(frozen=True, slots=True)
 class MediumTotals:
     stored: int = 0
     removed: int = 0
     removed_young: int = 0  # removed within thrash_seconds of being stored
+    regretted: int = 0  # stored again after a removal the stream still remembered
+    regret_tokens: int = 0  # block_size x each of those blocks: the recomputation implied
+    regret_seconds: float = 0.0  # summed time from removal to the store again
+    regret_buckets: tuple[int, ...] = (0,) * (len(REGRET_BUCKETS) + 1)  # per bucket, the last +Inf
+    stores_forgotten: int = 0  # store times dropped from a full memory (young removals missed)
+    removals_forgotten: int = 0  # removals dropped from a full memory (regrets missed)
+
+    def __add__(self, o: MediumTotals) -> MediumTotals:
+        return MediumTotals(
+            self.stored + o.stored,
+            self.removed + o.removed,
+            self.removed_young + o.removed_young,
+            self.regretted + o.regretted,
+            self.regret_tokens + o.regret_tokens,
+            self.regret_seconds + o.regret_seconds,
+            tuple(a + b for a, b in zip(self.regret_buckets, o.regret_buckets, strict=True)),
+            self.stores_forgotten + o.stores_forgotten,
+            self.removals_forgotten + o.removals_forgotten,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +147,13 @@ class EngineView:
     scrape: TargetState | None
     scrape_age: float | None  # seconds since the last good scrape
     hit_ratio: float | None  # prefix-cache hits / queries over the rate window (tokens)
+    regret_ratio: Mapping[str, float] = field(default_factory=dict)  # medium -> regretted / removed, same window
 
     @property
-    def media(self) -> dict[str, tuple[int, int, int]]:
-        """medium -> (stored, removed, removed young), summed over data-parallel ranks."""
-        out: dict[str, tuple[int, int, int]] = {}
+    def media(self) -> dict[str, MediumTotals]:
+        """Per medium, the blocks' totals summed over data-parallel ranks."""
+        out: dict[str, MediumTotals] = {}
         for s in self.streams:
             for name, m in s.media.items():
-                a, b, c = out.get(name, (0, 0, 0))
-                out[name] = (a + m.stored, b + m.removed, c + m.removed_young)
+                out[name] = out.get(name, MediumTotals()) + m
         return out

@@ -37,6 +37,17 @@ REPLAN_SECONDS = 30.0
 MAX_FAMILY_DEPTH = 8
 
 
+def regret_ratios(t: Tracked, streams: Iterable[StreamStats], window: float) -> dict[str, float]:
+    """Per medium with removals over the window: blocks stored again after their removal,
+    over blocks removed, both over the window."""
+    out = {}
+    for medium in sorted({m for s in streams for m in s.media}):
+        removed = t.series.delta(f"kv_removed_blocks:{medium}", window)
+        if removed > 0:
+            out[medium] = t.series.delta(f"kv_regretted_blocks:{medium}", window) / removed
+    return out
+
+
 def plan_from_config(t: Tracked, ep: EngineEndpoint, cfg: EnginesConfig) -> EnginePlan:
     streams: list[StreamSpec] = []
     if ep.kv_events and cfg.kv_events:
@@ -82,6 +93,7 @@ class EngineTaps:
         self.hub = hub or KVEventHub(
             thrash_seconds=config.thrash_seconds,
             max_tracked_blocks=config.max_tracked_blocks,
+            regret_memory_blocks=config.regret_memory_blocks,
             replay_timeout_seconds=config.replay_timeout_seconds,
             clock=clock,
         )
@@ -207,6 +219,7 @@ class EngineTaps:
                         (f"kv_stored_blocks:{medium}", m.stored),
                         (f"kv_removed_blocks:{medium}", m.removed),
                         (f"kv_removed_young:{medium}", m.removed_young),
+                        (f"kv_regretted_blocks:{medium}", m.regretted),
                     ):
                         values[name] = values.get(name, 0.0) + v
             t.series.add(now, values)
@@ -234,14 +247,25 @@ class EngineTaps:
         age = self.clock() - st.last.at if st is not None and st.last is not None else None
         q = t.series.delta("engine_prefix_queries", window)
         hits = t.series.delta("engine_prefix_hits", window)
+        streams = tuple(self._streams_of(t.key))
         return EngineView(
             plan=p.plan,
-            streams=tuple(self._streams_of(t.key)),
+            streams=streams,
             scrape=st,
             scrape_age=age,
             hit_ratio=hits / q if q > 0 else None,
+            regret_ratio=regret_ratios(t, streams, window),
         )
 
     @property
     def lost_batches(self) -> int:
         return sum(s.lost for s in self._stats.values())
+
+    @property
+    def blocks_forgotten(self) -> dict[str, int]:
+        """Entries the streams' full block memories dropped: store times, removals."""
+        media = [m for s in self._stats.values() for m in s.media.values()]
+        return {
+            "kv_store_times_forgotten": sum(m.stores_forgotten for m in media),
+            "kv_removals_forgotten": sum(m.removals_forgotten for m in media),
+        }

@@ -33,8 +33,8 @@ def increase(metric: str, by: str, where: str = PROC) -> str:
     return rate(metric, by, where, "increase")
 
 
-def quantile(q: float, histogram: str) -> str:
-    return f"histogram_quantile({q}, {rate(f'{histogram}_bucket', 'le, pid, lib')})"
+def quantile(q: float, histogram: str, by: str = "pid, lib") -> str:
+    return f"histogram_quantile({q}, {rate(f'{histogram}_bucket', f'le, {by}')})"
 
 
 class Graph(NamedTuple):
@@ -257,6 +257,26 @@ ROWS: list[tuple[str, list[Graph]]] = [
                         rate("kvwatch_kv_blocks_removed_young_total", f"{BY_PROC}, medium"),
                         "{{pid}} removed young {{medium}}",
                     ),
+                ],
+            ),
+            Graph(
+                "Eviction regret: removed blocks stored again",
+                "short",
+                [
+                    (rate("kvwatch_kv_blocks_regretted_total", f"{BY_PROC}, medium"), "{{pid}} regretted/s {{medium}}"),
+                    (
+                        rate("kvwatch_kv_regret_recomputed_tokens_total", f"{BY_PROC}, medium"),
+                        "{{pid}} recomputed tokens/s {{medium}}",
+                    ),
+                ],
+            ),
+            Graph(
+                "Regret ratio, time to store again",
+                "short",
+                [
+                    (total("kvwatch_kv_regret_ratio", f"{BY_PROC}, medium"), "{{pid}} regretted/removed {{medium}}"),
+                    (quantile(0.5, "kvwatch_kv_regret_seconds", "pid, medium"), "p50 s {{pid}} {{medium}}"),
+                    (quantile(0.99, "kvwatch_kv_regret_seconds", "pid, medium"), "p99 s {{pid}} {{medium}}"),
                 ],
             ),
             Graph("KV cache resets", "short", [(increase("kvwatch_kv_cache_resets_total", BY_PROC), "{{pid}}")]),

@@ -102,6 +102,27 @@ def events(groups: list[list[Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def regrets(batches: list[list[Any]]) -> dict[str, tuple[int, int]]:
+    """Per medium, the blocks stored again after a removal and their tokens, computed here from
+    the recorded stream with a plain set per medium (a reset forgets every removal)."""
+    removed: dict[str, set[Any]] = {}
+    out: dict[str, tuple[int, int]] = {}
+    for _at, _seq, _ts, _rank, groups in batches:
+        for kind, medium, bs, ids in uncompact(groups):
+            if kind == "C":
+                removed.clear()
+                continue
+            gone = removed.setdefault(medium or "GPU", set())
+            if kind == "R":
+                gone.update(ids)
+                continue
+            back = [h for h in ids if h in gone]
+            gone.difference_update(back)
+            blocks, tokens = out.get(medium or "GPU", (0, 0))
+            out[medium or "GPU"] = (blocks + len(back), tokens + len(back) * (bs or 0))
+    return out
+
+
 def replay(pub: WirePublisher, batches: list[list[Any]], t0: float, watch: Any) -> None:
     next_watch = t0
     for at, _seq, ts, _rank, groups in batches:  # one data-parallel rank (0) in the run
@@ -183,6 +204,13 @@ def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_pat
                     got = d.value(f"kvwatch_kv_blocks_{what}_total", pid=pid, medium=medium)
                     assert got == totals[what][medium], (what, medium)
             assert d.value("kvwatch_kv_event_gaps_total", pid=pid) == 0
+            expected = regrets(run["batches"])
+            assert expected["GPU"][0] == 480  # the hot prefixes' blocks, stored again after the pressure
+            for medium, (blocks, tokens) in expected.items():
+                assert d.value("kvwatch_kv_blocks_regretted_total", pid=pid, medium=medium) == blocks, medium
+                assert d.value("kvwatch_kv_regret_recomputed_tokens_total", pid=pid, medium=medium) == tokens
+            lost = dict((lab["source"], v) for lab, v in d.metrics()["kvwatch_events_lost_total"])
+            assert lost["kv_removals_forgotten"] == 0  # every removal remembered: none of the regrets missed
             onsets = _onsets(d)
     finally:
         pub.close()

@@ -68,16 +68,22 @@ def _stream(rank: int, gpu: MediumTotals, **kw: object) -> StreamStats:
     return StreamStats(spec=spec, **fields)  # type: ignore[arg-type]
 
 
+# regrets: rank 0 stored 19 removed GPU blocks again (3 within 1 s, 11 within 15 s, 5 within
+# 5 min), rank 1 two more after about 12 min: the buckets sum over ranks
+GPU_RANK0 = MediumTotals(
+    230, 190, 23, regretted=19, regret_tokens=304, regret_seconds=900.5, regret_buckets=(3, 0, 11, 0, 5, 0, 0)
+)
+REGRET_1 = (0, 0, 0, 0, 0, 2, 0)
+
+
 def engine_view() -> EngineView:
     return EngineView(
         plan=EnginePlan("4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics"),
         streams=(
-            _stream(
-                0, MediumTotals(230, 190, 23), media={"GPU": MediumTotals(230, 190, 23), "CPU": MediumTotals(7, 2, 0)}
-            ),
+            _stream(0, GPU_RANK0, media={"GPU": GPU_RANK0, "CPU": MediumTotals(7, 2, 0)}),
             _stream(
                 1,
-                MediumTotals(11, 5, 1),
+                MediumTotals(11, 5, 1, regretted=2, regret_tokens=32, regret_seconds=700.0, regret_buckets=REGRET_1),
                 connected=False,
                 gaps=2,
                 missed=5,
@@ -106,6 +112,7 @@ def engine_view() -> EngineView:
         ),
         scrape_age=2.0,
         hit_ratio=0.25,
+        regret_ratio={"GPU": 0.125},
     )
 
 

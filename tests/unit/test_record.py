@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+from kvwatch.daemon.engines.records import EnginePlan, EngineView, MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.publish import CUDA_API_CLASSES
 from kvwatch.daemon.records import Alert
 from kvwatch.daemon.snapshot import CudaView, ProcessView, Snapshot, TierView
@@ -134,3 +136,27 @@ def test_checker_catches_bad_traces() -> None:
         ]
     }
     assert len(problems(bad)) == 4
+
+
+def test_an_instant_where_regret_begins() -> None:
+    """The KV blocks lane counts regretted blocks per tick; one instant marks each burst's start."""
+
+    def with_regret(t: float, regretted: int) -> Snapshot:
+        s = snap(t, 100, 0)
+        stats = StreamStats(
+            StreamSpec("tcp://127.0.0.1:5557"), True, 1, 1, {"GPU": MediumTotals(500, 300, 0, regretted)},
+            0, 0, 0, 0, 0, {}, 0, 0, None, 0.0, 0.0, 0,
+        )  # fmt: skip
+        view = EngineView(EnginePlan("7@1", 7), (stats,), None, None, None)
+        return replace(s, processes=(replace(s.processes[0], engine=view),))
+
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h")
+    for t, regretted in ((5.0, 4), (6.0, 4), (7.0, 11), (8.0, 23), (9.0, 23), (10.0, 29)):
+        rec.on_snapshot(with_regret(t, regretted))
+    trace = rec.finish(10.5, 1.0)
+    assert problems(trace) == []
+    ev = trace["traceEvents"]
+    lane = [e["args"]["regretted GPU"] for e in ev if e["ph"] == "C" and e["name"] == "KV blocks"]
+    assert lane == [0, 7, 12, 0, 6] and sum(lane) == 29 - 4
+    instants = [(e["ts"], e["args"]) for e in ev if e["ph"] == "i" and e["name"] == "KV eviction regret"]
+    assert instants == [(1e6, {"regretted GPU": 7}), (4e6, {"regretted GPU": 6})]  # two bursts

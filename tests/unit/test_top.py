@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from kvwatch.daemon.engines.records import EnginePlan, EngineView
 from kvwatch.daemon.publish import CUDA_API_CLASSES
 from kvwatch.daemon.records import Alert
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
@@ -93,6 +95,17 @@ def snapshot() -> Snapshot:
         transfers=xfer(1024 * MIB),
         gpu_used_bytes=8 * 1024 * MIB,
     )
+    a = dataclasses.replace(
+        a,
+        engine=EngineView(
+            plan=EnginePlan("101@1", 101),
+            streams=(),
+            scrape=None,
+            scrape_age=None,
+            hit_ratio=None,
+            regret_ratio={"GPU": 0.125, "CPU": 0.5},  # the worst medium is shown
+        ),
+    )
     b = proc(202, engine="sglang", rates={"cuda_alloc_calls": 1.0})
     gone = proc(303, alive=False, rates={"cuda_alloc_calls": 999.0})
     tier = TierView(
@@ -141,10 +154,11 @@ def test_rows_from_the_snapshot() -> None:
     assert a.evict_reclaim_bps == 3 * MIB and a.evict_policy_bps == MIB  # the tier it owns
     assert a.stall_ms_per_s == pytest.approx(12.5)
     assert a.xfer_bps == 512 * MIB and a.xfer_effective_bps == 1024 * MIB and a.link_pct == pytest.approx(25.0)
-    assert a.kv_removed_per_s == 42.0
+    assert a.kv_removed_per_s == 42.0 and a.regret_pct == 50.0
     assert a.alerts == ("KVHostTierEvictionUnderPressure",)
     b = r[202]
     assert b.outstanding_device is None and b.evict_reclaim_bps == 0 and b.kv_removed_per_s is None
+    assert b.regret_pct is None
     assert b.link_pct is None
     h = frame.header
     assert h.processes == 2 and h.alloc_per_s == 38  # the exited process is not counted
@@ -182,10 +196,10 @@ def test_plain_frame_exact() -> None:
     assert head[:4] == ["PID", "ENGINE/ROLE", "POD/CONTAINER", "GPU"]
     assert lines[5].split() == [
         "101", "vllm/prefill", "ns/vllm-0", "8192.0", "37", "74.0", "36", "460.0", "4.0", "2311",
-        "3.0", "1.0", "12.5", "512.0", "1024.0", "25%", "42", "KVHostTierEvictionUnderPressure",
+        "3.0", "1.0", "12.5", "512.0", "1024.0", "25%", "42", "50%", "KVHostTierEvictionUnderPressure",
     ]  # fmt: skip
     assert lines[6].split() == [
-        "202", "sglang", "-", "-", "1", "0.0", "0", "-", "-", "0", "0.0", "0.0", "0", "0.0", "-", "-", "-", "-",
+        "202", "sglang", "-", "-", "1", "0.0", "0", "-", "-", "0", "0.0", "0.0", "0", "0.0", "-", "-", "-", "-", "-",
     ]  # fmt: skip
     assert "303" not in "\n".join(lines)  # exited
     assert lines[-2].startswith("WARNING  KVHostTierEvictionUnderPressure (x) pid 101 since ")
