@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "performance.md"
 
-ORDER = ("memory", "cuda", "transfer", "kv_events", "daemon_load", "detection", "soak")
+ORDER = ("memory", "cuda", "transfer", "kv_events", "kv_memory", "daemon_load", "detection", "soak")
 TITLES = {
     "memory": "Kernel-memory probes (bench/bench_memory.py)",
     "cuda": "CUDA allocation probes (bench/bench_cuda.py)",
     "transfer": "KV-transfer probes (bench/bench_transfer.py)",
     "kv_events": "Engine KV event subscriber (bench/bench_kv_events.py)",
+    "kv_memory": "KV event accounting memory at 1M blocks/s (bench/bench_kv_memory.py)",
     "daemon_load": "The daemon at idle and under load (bench/bench_daemon_load.py)",
     "detection": "Detection latency (bench/bench_detection.py)",
     "soak": "Soak, 30 minutes (bench/soak.py; not run by bench/run.sh)",

@@ -183,7 +183,7 @@ class EnginesConfig(_Section):
     thrash_seconds: PositiveFloat = 10.0
     max_tracked_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
     # Removed block hashes remembered per stream and medium to see them stored again
-    # (regretted evictions); about 100 bytes each, the oldest forgotten first (counted). 0: off.
+    # (regretted evictions); about 21 bytes each, the oldest forgotten first (counted). 0: off.
     regret_memory_blocks: Annotated[int, Field(ge=0)] = 524_288
     endpoints: list[EngineEndpoint] = []
 

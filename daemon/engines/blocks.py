@@ -1,7 +1,7 @@
 """One medium's blocks in one KV event stream: stored, removed, removed young, and regretted.
 
-Two bounded memories keyed by block hash, in insertion order so that the oldest entries
-go first when one is full (each entry dropped is counted):
+Two bounded memories of block hashes (``hashmem.py``): when one is full the oldest
+entries go first, each one dropped counted.
 
 * when each resident block was stored (the engine's timestamp): a removal within
   ``thrash_seconds`` of its store is *young*, a hot block evicted;
@@ -20,17 +20,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from kvwatch.daemon.engines.hashmem import Hash, HashMemory
 from kvwatch.daemon.engines.records import REGRET_BUCKETS, MediumTotals
-
-Hash = int | bytes
-
-
-def _trim(memory: dict[Hash, float], bound: int) -> int:
-    """Forget the oldest tenth of a full memory; returns how many entries went."""
-    drop = max(len(memory) - bound * 9 // 10, 1)
-    for k in list(memory)[:drop]:  # pragma: no branch
-        del memory[k]
-    return drop
 
 
 class MediumBlocks:
@@ -38,54 +29,32 @@ class MediumBlocks:
         "_regret_le",
         "_removed_at",
         "_stored_at",
-        "max_removed",
-        "max_stored",
         "regret_seconds",
         "regret_tokens",
         "regretted",
-        "removals_forgotten",
         "removed",
         "stored",
-        "stores_forgotten",
         "young",
     )
 
     def __init__(self, max_stored: int, max_removed: int) -> None:
-        self.max_stored = max_stored
-        self.max_removed = max_removed  # 0: no regret accounting
         self.stored = self.removed = self.young = 0
         self.regretted = self.regret_tokens = 0
         self.regret_seconds = 0.0
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
-        self.stores_forgotten = self.removals_forgotten = 0
-        self._stored_at: dict[Hash, float] = {}
-        self._removed_at: dict[Hash, float] = {}
+        self._stored_at = HashMemory(max_stored)
+        self._removed_at = HashMemory(max_removed)  # capacity 0: no regret accounting
 
     def store(self, hashes: Sequence[Hash], ts: float, block_size: int) -> None:
         self.stored += len(hashes)
-        stored_at, removed_at = self._stored_at, self._removed_at
-        for h in hashes:
-            gone = removed_at.pop(h, None)
-            if gone is not None:
-                self._regret(max(ts - gone, 0.0), block_size)
-            stored_at.pop(h, None)
-            stored_at[h] = ts
-        if len(stored_at) > self.max_stored:
-            self.stores_forgotten += _trim(stored_at, self.max_stored)
+        for gone in self._removed_at.take(hashes):
+            self._regret(max(ts - gone, 0.0), block_size)
+        self._stored_at.put(hashes, ts)
 
     def remove(self, hashes: Sequence[Hash], ts: float, young_before: float) -> None:
         self.removed += len(hashes)
-        stored_at, removed_at = self._stored_at, self._removed_at
-        remember = self.max_removed > 0
-        for h in hashes:
-            t = stored_at.pop(h, None)
-            if t is not None and t > young_before:
-                self.young += 1
-            if remember:
-                removed_at.pop(h, None)
-                removed_at[h] = ts
-        if len(removed_at) > self.max_removed > 0:
-            self.removals_forgotten += _trim(removed_at, self.max_removed)
+        self.young += sum(1 for t in self._stored_at.take(hashes) if t > young_before)
+        self._removed_at.put(hashes, ts)
 
     def clear(self) -> None:
         self._stored_at.clear()
@@ -99,7 +68,7 @@ class MediumBlocks:
 
     @property
     def remembered(self) -> int:
-        """Hashes held in both memories (what they cost is about 100 bytes each)."""
+        """Hashes held in both memories."""
         return len(self._stored_at) + len(self._removed_at)
 
     def totals(self) -> MediumTotals:
@@ -111,6 +80,6 @@ class MediumBlocks:
             regret_tokens=self.regret_tokens,
             regret_seconds=self.regret_seconds,
             regret_buckets=tuple(self._regret_le),
-            stores_forgotten=self.stores_forgotten,
-            removals_forgotten=self.removals_forgotten,
+            stores_forgotten=self._stored_at.forgotten,
+            removals_forgotten=self._removed_at.forgotten,
         )

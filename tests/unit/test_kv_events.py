@@ -123,17 +123,7 @@ def test_decoder_counts_what_vllm_sent(path: Path) -> None:
     assert isinstance(big, w.STORED) and big.block_hashes == [0xDEADBEEF12345678, 0xFFFFFFFFFFFFFFFF]
 
 
-# --- the subscriber over real ZMQ sockets ---------------------------------------------------------
-@pytest.fixture
-def hub() -> Iterator[KVEventHub]:
-    h = KVEventHub(thrash_seconds=5.0, replay_timeout_seconds=1.0)
-    h.start()
-    try:
-        yield h
-    finally:
-        h.close()
-
-
+# --- the subscriber over real ZMQ sockets (the hub fixture: tests/unit/conftest.py) ----------------
 def stats_of(hub: KVEventHub, spec: StreamSpec) -> StreamStats:
     return hub.stats()[spec]
 
@@ -146,6 +136,20 @@ def connected(hub: KVEventHub, spec: StreamSpec, pub: WirePublisher | zmq.Socket
         assert pub.wait_subscribed(), "no subscription reached the publisher"
     else:
         assert pub.poll(10_000) and pub.recv()[:1] == b"\x01", "no subscription reached the publisher"
+
+
+@contextlib.contextmanager
+def one_stream(hub: KVEventHub) -> Iterator[tuple[StreamSpec, WirePublisher]]:
+    """A publisher on a free port and the hub subscribed to it, its subscription landed."""
+    port = free_port()
+    spec = StreamSpec(f"tcp://127.0.0.1:{port}")
+    pub = WirePublisher(f"tcp://*:{port}")
+    try:
+        hub.set_streams([spec])
+        connected(hub, spec, pub)
+        yield spec, pub
+    finally:
+        pub.close()
 
 
 def xpub(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> zmq.Socket[bytes]:
@@ -262,12 +266,7 @@ def test_gap_replayed_then_lost_then_publisher_restart(hub: KVEventHub) -> None:
 
 
 def test_young_removals_from_engine_timestamps(hub: KVEventHub) -> None:
-    port = free_port()
-    spec = StreamSpec(f"tcp://127.0.0.1:{port}")
-    pub = WirePublisher(f"tcp://*:{port}")
-    try:
-        hub.set_streams([spec])
-        connected(hub, spec, pub)
+    with one_stream(hub) as (spec, pub):
         t0 = 1_000_000.0
         pub.publish([w.stored(list(range(10)), list(range(160)))], ts=t0)
         pub.publish([w.removed([0, 1, 2])], ts=t0 + 1.0)  # 1 s old: young (thrash_seconds 5)
@@ -280,8 +279,6 @@ def test_young_removals_from_engine_timestamps(hub: KVEventHub) -> None:
         m = stats_of(hub, spec).media["GPU"]
         assert (m.stored, m.removed, m.removed_young) == (10, 7, 3)
         assert stats_of(hub, spec).cleared == 1
-    finally:
-        pub.close()
 
 
 def test_every_bad_message_counted_and_the_stream_goes_on(hub: KVEventHub) -> None:

@@ -7,18 +7,24 @@ forgets, and what a full memory drops (counted).
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
 from typing import Any
 
+from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.hashmem import HashMemory
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.records import REGRET_BUCKETS, StreamSpec
-from kvwatch.daemon.lab.vllm_publisher import WirePublisher
+from kvwatch.daemon.engines.records import REGRET_BUCKETS
 
-from tests.privileged.helpers import free_port, wait_until
-from tests.unit.test_kv_events import connected, stats_of
+from tests.privileged.helpers import wait_until
+from tests.tools.vllm_run_fixtures import uncompact
+from tests.unit.test_kv_events import one_stream, stats_of
 
 BS = 16  # tokens per block
+REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"  # see test_vllm_replay.py
 
 
 def bucket(seconds: float) -> int:
@@ -83,15 +89,8 @@ def regret_script() -> list[tuple[float, list[dict[str, Any]]]]:
     ]
 
 
-def test_regret_over_the_wire_per_medium() -> None:
-    hub = KVEventHub(thrash_seconds=5.0, replay_timeout_seconds=1.0)
-    hub.start()
-    port = free_port()
-    spec = StreamSpec(f"tcp://127.0.0.1:{port}")
-    pub = WirePublisher(f"tcp://*:{port}")
-    try:
-        hub.set_streams([spec])
-        connected(hub, spec, pub)
+def test_regret_over_the_wire_per_medium(hub: KVEventHub) -> None:
+    with one_stream(hub) as (spec, pub):
         script = regret_script()
         for ts, events in script:
             pub.publish(events, ts=ts)
@@ -102,6 +101,55 @@ def test_regret_over_the_wire_per_medium() -> None:
         assert (gpu.regretted, gpu.regret_tokens, gpu.regret_seconds) == (23, 23 * BS, 23.0)
         assert (cpu.regretted, cpu.regret_tokens, cpu.regret_seconds) == (11, 11 * BS, 11 * 60.0)
         assert gpu.regret_buckets[bucket(1.0)] == 23 and cpu.regret_buckets[bucket(60.0)] == 11
-    finally:
-        pub.close()
-        hub.close()
+
+
+def test_hash_memory_across_generations_and_its_bound() -> None:
+    """Entries move from the dict into the sorted numpy arrays a generation (a seal) at a time;
+    lookups find them there; past the capacity the oldest generations go, live entries counted."""
+    mem = HashMemory(1600)  # the dict seals every 100 entries
+    for g in range(10):
+        mem.put([g * 100 + i for i in range(100)], float(g))
+    assert len(mem) == 1000 and mem.forgotten == 0
+    assert sorted(mem.take([5, 250, 999, 12_345])) == [0.0, 2.0, 9.0]  # generations 0, 2, 9; one never put
+    assert mem.take([5]) == [] and len(mem) == 997  # taken once
+    for g in range(10, 23):
+        mem.put([g * 100 + i for i in range(100)], float(g))
+    # 23 generations, at most 1,500 entries sealed: 0..7 went, 798 of them live (5 and 250 taken);
+    # 8..22 hold 1,500, 999 taken
+    assert (len(mem), mem.forgotten) == (1499, 798)
+    assert sorted(mem.take([250, 799, 800, 2299])) == [8.0, 22.0]
+    mem.clear()
+    assert len(mem) == 0 and mem.take([2299]) == []
+
+
+def test_hash_memory_bytes_hashes_and_puts_again() -> None:
+    mem = HashMemory(64)  # seals every 4
+    blocks = [bytes([i]) * 32 for i in range(23)]
+    mem.put(blocks, 1.0)
+    mem.put(blocks[:3], 2.0)  # put again: the newest time answers
+    assert sorted(mem.take(blocks[:3])) == [2.0, 2.0, 2.0]
+    assert sorted(mem.take(blocks[3:])) == [1.0] * 20
+    assert HashMemory(0).take(blocks) == []
+
+
+def test_real_run_regrets_need_the_default_memory() -> None:
+    """The real vLLM run's hot prefixes came back after ~385,000 removals: the default memory
+    holds them (480 regrets), a quarter of it forgets them all (and says how many it forgot)."""
+    with gzip.open(REAL_RUN, "rt") as f:
+        batches = json.load(f)["batches"]
+    default = EnginesConfig()
+
+    def regretted(removals: int) -> tuple[int, int]:
+        m = MediumBlocks(default.max_tracked_blocks, removals)
+        for _at, _seq, ts, _rank, groups in batches:
+            for kind, medium, bs, ids in uncompact(groups):
+                if medium in (None, "GPU"):
+                    if kind == "S":
+                        m.store(ids, ts, bs or 0)
+                    elif kind == "R":
+                        m.remove(ids, ts, ts - 10)
+        return m.totals().regretted, m.totals().removals_forgotten
+
+    assert regretted(default.regret_memory_blocks) == (480, 0)
+    small, forgotten = regretted(default.regret_memory_blocks // 4)
+    assert small < 480 and forgotten > 0

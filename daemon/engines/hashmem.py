@@ -1,0 +1,138 @@
+"""A bounded memory of block hashes with a time each, about 20 bytes an entry.
+
+A Python dict costs about 100 bytes per block hash (the key object, the float, the slot),
+so a million remembered blocks would be 100 MB per stream and medium. Here the newest
+entries sit in a dict (one sixteenth of the capacity at most); when it fills it is sealed:
+merged into numpy arrays sorted by hash fingerprint, beside each entry's time, the seal it
+came in (its generation) and a live flag (21 bytes an entry). Each seal drops the entries
+taken since the last; when the live ones would exceed the capacity the oldest generations
+are forgotten, their live entries counted.
+
+``take`` finds hashes, forgets them and returns their times, one binary search for all
+of a call's hashes: the newest entry of a hash answers for it. Hashes are compared by a
+64-bit fingerprint (an int's low 64 bits, the last 8 bytes of a bytes hash): engines'
+block hashes are uniform, and two distinct blocks sharing a fingerprint within one
+memory is a 2^-64-per-pair event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+Hash = int | bytes
+MASK64 = (1 << 64) - 1
+GENERATIONS = 16  # the dict holds at most capacity / GENERATIONS entries
+
+
+def fingerprint(h: Hash) -> int:
+    if isinstance(h, int):
+        return h & MASK64
+    return int.from_bytes(h[-8:], "little")
+
+
+class HashMemory:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.open_limit = max(capacity // GENERATIONS, 1)
+        self._open: dict[int, float] = {}
+        # sealed entries, sorted by fingerprint (older before newer among equal ones)
+        self._keys: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)
+        self._times: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
+        self._gens: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)  # which seal each came in
+        self._live: npt.NDArray[np.bool_] = np.empty(0, dtype=np.bool_)
+        self._sealed_live = 0
+        self._gen = 0
+        self.forgotten = 0  # live entries dropped with their generation
+
+    def __len__(self) -> int:
+        """Live entries."""
+        return len(self._open) + self._sealed_live
+
+    def put(self, hashes: Sequence[Hash], at: float) -> None:
+        if self.capacity <= 0:
+            return
+        opened, limit = self._open, self.open_limit
+        for h in hashes:
+            fp = fingerprint(h)
+            opened.pop(fp, None)
+            opened[fp] = at
+            if len(opened) >= limit:
+                self._seal()
+                opened = self._open
+
+    def take(self, hashes: Sequence[Hash]) -> list[float]:
+        """The times of the hashes held (each forgotten here), in no particular order."""
+        found: list[float] = []
+        rest: list[int] = []
+        opened = self._open
+        for h in hashes:
+            fp = fingerprint(h)
+            t = opened.pop(fp, None)
+            if t is None:
+                rest.append(fp)
+            else:
+                found.append(t)
+        if rest and self._sealed_live:
+            found += self._take_sealed(np.array(rest, dtype=np.uint64))
+        return found
+
+    def clear(self) -> None:
+        self._open.clear()
+        self._keys, self._times = self._keys[:0], self._times[:0]
+        self._gens, self._live = self._gens[:0], self._live[:0]
+        self._sealed_live = 0
+
+    def _take_sealed(self, fps: npt.NDArray[np.uint64]) -> list[float]:
+        # the newest entry of a fingerprint is the last of its run; an older one left live
+        # beside it (put again without a take) is stale and goes with its generation
+        idx = np.searchsorted(self._keys, fps, side="right") - 1
+        idx = np.maximum(idx, 0)
+        hit = (self._keys[idx] == fps) & self._live[idx]
+        where = idx[hit]
+        if not len(where):
+            return []
+        where = np.unique(where)  # one hash twice in a call is taken once
+        self._live[where] = False
+        self._sealed_live -= len(where)
+        found: list[float] = self._times[where].tolist()
+        return found
+
+    def _seal(self) -> None:
+        n = len(self._open)
+        keys = np.fromiter(self._open.keys(), dtype=np.uint64, count=n)
+        times = np.fromiter(self._open.values(), dtype=np.float64, count=n)
+        self._open = {}
+        self._gen += 1
+        self._compact(n)
+        order = np.argsort(keys)
+        keys, times = keys[order], times[order]
+        # inserted field by field, so that only one field is ever copied at a time; after
+        # the equal keys already there, so that the newest entry is the last of its run
+        at = np.searchsorted(self._keys, keys, side="right")
+        self._keys = np.insert(self._keys, at, keys)
+        self._times = np.insert(self._times, at, times)
+        self._gens = np.insert(self._gens, at, np.uint32(self._gen))
+        self._live = np.insert(self._live, at, True)
+        self._sealed_live += n
+
+    def _compact(self, room_for: int) -> None:
+        """Drop the entries already taken, then whole generations, oldest first, until
+        ``room_for`` more fit; the live entries of a dropped generation are counted."""
+        keep = self._live.copy()
+        excess = self._sealed_live + room_for - (self.capacity - self.open_limit)
+        if excess > 0:
+            counts = np.bincount(self._gens[keep])
+            through = int(np.searchsorted(np.cumsum(counts), excess))  # drop generations 0..through
+            old = keep & (self._gens <= through)
+            gone = int(np.count_nonzero(old))
+            self.forgotten += gone
+            self._sealed_live -= gone
+            keep &= ~old
+        if not keep.all():
+            self._keys = self._keys[keep]
+            self._times = self._times[keep]
+            self._gens = self._gens[keep]
+            self._live = self._live[keep]
