@@ -240,6 +240,15 @@ class EvictionBurstConfig(DetectorCommon):
     baseline_min_seconds: NonNegFloat = 30.0
 
 
+class PreemptionLivelockConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 10.0
+    min_preemptions_per_second: PositiveFloat = 0.5
+    collapse_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2  # of the learnt tokens/s: hot at or below
+    recover_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5  # cool at or above
+    floor_tokens_per_second: NonNegFloat = 10.0  # a learnt rate below this is not judged
+    baseline_min_seconds: NonNegFloat = 30.0
+
+
 class OOMConfig(_Section):
     enabled: bool = True
     include_cgroup_siblings: bool = True
@@ -251,6 +260,7 @@ class DetectorsConfig(_Section):
     reuse_collapse: ReuseCollapseConfig = ReuseCollapseConfig()
     transfer_collapse: TransferCollapseConfig = TransferCollapseConfig()
     eviction_burst: EvictionBurstConfig = EvictionBurstConfig()
+    preemption_livelock: PreemptionLivelockConfig = PreemptionLivelockConfig()
     oom: OOMConfig = OOMConfig()
 
 

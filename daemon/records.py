@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 ALERT_NAMES = (
     "KVEvictionBurst",
+    "KVPreemptionLivelock",
     "KVCacheReuseCollapse",
     "KVHostTierEvictionUnderPressure",
     "KVTransferBandwidthCollapse",

@@ -198,6 +198,11 @@ class _EngineCounters:
         self.preemptions = CounterMetricFamily(
             "kvwatch_engine_preemptions", "requests the engine preempted (vLLM num_preemptions)", labels=labels
         )
+        self.generated = CounterMetricFamily(
+            "kvwatch_engine_generation_tokens",
+            "tokens the engine generated (vLLM / SGLang generation_tokens)",
+            labels=labels,
+        )
         self.offload = CounterMetricFamily(
             "kvwatch_engine_kv_offload_bytes",
             "KV bytes the engine reports copying to its CPU tier (d2h) and back (h2d): vLLM kv_offload_*_bytes",
@@ -215,6 +220,8 @@ class _EngineCounters:
                 self.hit.add_metric([*v, medium], h)
         if x.preemptions is not None:
             self.preemptions.add_metric(v, x.preemptions)
+        if x.generation_tokens is not None:
+            self.generated.add_metric(v, x.generation_tokens)
         for direction, b in (("d2h", x.offload_store_bytes), ("h2d", x.offload_load_bytes)):
             if b is not None:
                 self.offload.add_metric([*v, direction], b)
@@ -222,4 +229,4 @@ class _EngineCounters:
             self.sleeping.add_metric(v, 1.0 if x.sleeping else 0.0)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.queried, self.hit, self.preemptions, self.offload, self.sleeping)
+        yield from (self.queried, self.hit, self.preemptions, self.generated, self.offload, self.sleeping)

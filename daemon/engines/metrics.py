@@ -37,6 +37,7 @@ PREFIX_QUERIES = (
 )
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "sglang:cached_tokens_total")
 PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
+GENERATION_TOKENS = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 EVICTED_TOKENS = ("sglang:evicted_tokens_total",)
@@ -120,6 +121,7 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
         external_hits=first(EXTERNAL_HITS, sums),
         offload_store_bytes=first(OFFLOAD_STORE_BYTES, {**by_type, **sums}),  # the flat name when both
         offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
+        generation_tokens=first(GENERATION_TOKENS, sums),
         families=families,
     )
 

@@ -91,6 +91,7 @@ class EngineSample:
     external_hits: float | None = None
     offload_store_bytes: float | None = None  # vLLM OffloadingConnector: bytes copied GPU -> CPU
     offload_load_bytes: float | None = None  # ... CPU -> GPU
+    generation_tokens: float | None = None  # tokens generated (decoded)
     families: int = 0
 
     def counters(self) -> dict[str, float]:
@@ -109,6 +110,7 @@ class EngineSample:
             "engine_external_prefix_hits": self.external_hits,
             "engine_offload_store_bytes": self.offload_store_bytes,
             "engine_offload_load_bytes": self.offload_load_bytes,
+            "engine_generation_tokens": self.generation_tokens,
         }
         return {k: v for k, v in names.items() if v is not None}
 

@@ -328,9 +328,12 @@ ROWS: list[tuple[str, list[Graph]]] = [
                 ],
             ),
             Graph(
-                "Engine preemptions /s",
+                "Engine preemptions /s and tokens generated /s (a livelock: the first up, the second to 0)",
                 "short",
-                [(rate("kvwatch_engine_preemptions_total", BY_PROC), "{{engine}} {{pid}}")],
+                [
+                    (rate("kvwatch_engine_preemptions_total", BY_PROC), "preempted {{engine}} {{pid}}"),
+                    (rate("kvwatch_engine_generation_tokens_total", BY_PROC), "tokens {{engine}} {{pid}}"),
+                ],
             ),
             Graph(
                 "KV offload: engine-reported vs copies seen",

@@ -194,3 +194,4 @@ def test_real_vllm_026_page() -> None:
     assert (s.external_queries, s.external_hits) == (6_528_096, 11_584)
     assert (s.offload_store_bytes, s.offload_load_bytes) == (212_630_241_280, 2_162_688_000)
     assert (s.preemptions, s.usage, s.sleeping, s.running, s.waiting) == (1136, 0.0, False, 0, 0)
+    assert s.generation_tokens == 322_409  # not request_generation_tokens, a histogram of the same tokens

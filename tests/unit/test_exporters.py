@@ -103,6 +103,7 @@ def engine_view() -> EngineView:
                 prefix_queries=91_200.0,
                 prefix_hits=60_800.0,
                 preemptions=23.0,
+                generation_tokens=322_409.0,
                 sleeping=False,
                 external_queries=30_400.0,
                 external_hits=4_800.0,
