@@ -240,6 +240,14 @@ class EvictionBurstConfig(DetectorCommon):
     baseline_min_seconds: NonNegFloat = 30.0
 
 
+class PrefixCacheIneffectiveConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 60.0
+    min_queried_tokens: NonNegFloat = 20_000.0  # prompt tokens looked up in the window, to judge at all
+    max_hit_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.02  # hot at or below; cool above twice this
+    min_stored_blocks: NonNegFloat = 100.0  # GPU blocks stored in the window (the KV event stream)
+    recur_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05  # of those, stored before: cause not_hit
+
+
 class PreemptionLivelockConfig(DetectorCommon):
     window_seconds: PositiveFloat = 10.0
     min_preemptions_per_second: PositiveFloat = 0.5
@@ -260,6 +268,7 @@ class DetectorsConfig(_Section):
     reuse_collapse: ReuseCollapseConfig = ReuseCollapseConfig()
     transfer_collapse: TransferCollapseConfig = TransferCollapseConfig()
     eviction_burst: EvictionBurstConfig = EvictionBurstConfig()
+    prefix_cache_ineffective: PrefixCacheIneffectiveConfig = PrefixCacheIneffectiveConfig()
     preemption_livelock: PreemptionLivelockConfig = PreemptionLivelockConfig()
     oom: OOMConfig = OOMConfig()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 ALERT_NAMES = (
     "KVEvictionBurst",
     "KVPreemptionLivelock",
+    "KVPrefixCacheIneffective",
     "KVCacheReuseCollapse",
     "KVHostTierEvictionUnderPressure",
     "KVTransferBandwidthCollapse",

@@ -117,6 +117,11 @@ class _RegretFamilies:
             "engines.regret_memory_blocks remembered): evictions the engine regretted",
             labels=labels,
         )
+        self.restored = CounterMetricFamily(
+            "kvwatch_kv_blocks_restored",
+            "KV blocks stored again while the engine still held them: prefixes its cache did not serve",
+            labels=labels,
+        )
         self.tokens = CounterMetricFamily(
             "kvwatch_kv_regret_recomputed_tokens",
             "tokens of the regretted blocks (block_size each): what their eviction made the engine compute again",
@@ -133,6 +138,7 @@ class _RegretFamilies:
 
     def add(self, v: list[str], m: MediumTotals, ratio: float | None) -> None:
         self.blocks.add_metric(v, m.regretted)
+        self.restored.add_metric(v, m.restored)
         self.tokens.add_metric(v, m.regret_tokens)
         cumulative, buckets = 0, []
         for le, n in zip((*map(str, REGRET_BUCKETS), "+Inf"), m.regret_buckets, strict=True):
@@ -143,7 +149,7 @@ class _RegretFamilies:
             self.ratio.add_metric(v, ratio)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.blocks, self.tokens, self.seconds, self.ratio)
+        yield from (self.blocks, self.restored, self.tokens, self.seconds, self.ratio)
 
 
 class _ScrapeFamilies:

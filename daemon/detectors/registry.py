@@ -10,6 +10,7 @@ from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.preemption_livelock import PreemptionLivelock
+from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
 from kvwatch.daemon.detectors.probe_down import ProbeDown
 from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
@@ -32,6 +33,7 @@ def build_detectors(config: DetectorsConfig, link_bytes_per_second: float) -> li
         ReuseCollapse(config.reuse_collapse),
         TransferCollapse(config.transfer_collapse, link_bytes_per_second),
         EvictionBurst(config.eviction_burst),
+        PrefixCacheIneffective(config.prefix_cache_ineffective),
         PreemptionLivelock(config.preemption_livelock),
         OOMKilled(config.oom),
         ProbeDown(),

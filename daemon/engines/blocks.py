@@ -1,4 +1,5 @@
-"""One medium's blocks in one KV event stream: stored, removed, removed young, and regretted.
+"""One medium's blocks in one KV event stream: stored, removed, removed young, regretted, and
+stored again while still resident (an engine that misses its own cache).
 
 Two bounded memories of block hashes (``hashmem.py``): when one is full the oldest
 entries go first, each one dropped counted.
@@ -33,6 +34,7 @@ class MediumBlocks:
         "regret_tokens",
         "regretted",
         "removed",
+        "restored",
         "stored",
         "young",
     )
@@ -40,6 +42,7 @@ class MediumBlocks:
     def __init__(self, max_stored: int, max_removed: int) -> None:
         self.stored = self.removed = self.young = 0
         self.regretted = self.regret_tokens = 0
+        self.restored = 0  # stored again while still resident
         self.regret_seconds = 0.0
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
@@ -49,6 +52,7 @@ class MediumBlocks:
         self.stored += len(hashes)
         for gone in self._removed_at.take(hashes):
             self._regret(max(ts - gone, 0.0), block_size)
+        self.restored += len(self._stored_at.take(hashes))
         self._stored_at.put(hashes, ts)
 
     def remove(self, hashes: Sequence[Hash], ts: float, young_before: float) -> None:
@@ -77,6 +81,7 @@ class MediumBlocks:
             removed=self.removed,
             removed_young=self.young,
             regretted=self.regretted,
+            restored=self.restored,
             regret_tokens=self.regret_tokens,
             regret_seconds=self.regret_seconds,
             regret_buckets=tuple(self._regret_le),

@@ -28,6 +28,7 @@ class MediumTotals:
     removed: int = 0
     removed_young: int = 0  # removed within thrash_seconds of being stored
     regretted: int = 0  # stored again after a removal the stream still remembered
+    restored: int = 0  # stored again while still resident (remembered)
     regret_tokens: int = 0  # block_size x each of those blocks: the recomputation implied
     regret_seconds: float = 0.0  # summed time from removal to the store again
     regret_buckets: tuple[int, ...] = (0,) * (len(REGRET_BUCKETS) + 1)  # per bucket, the last +Inf
@@ -40,6 +41,7 @@ class MediumTotals:
             self.removed + o.removed,
             self.removed_young + o.removed_young,
             self.regretted + o.regretted,
+            self.restored + o.restored,
             self.regret_tokens + o.regret_tokens,
             self.regret_seconds + o.regret_seconds,
             tuple(a + b for a, b in zip(self.regret_buckets, o.regret_buckets, strict=True)),

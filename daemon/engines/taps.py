@@ -220,6 +220,7 @@ class EngineTaps:
                         (f"kv_removed_blocks:{medium}", m.removed),
                         (f"kv_removed_young:{medium}", m.removed_young),
                         (f"kv_regretted_blocks:{medium}", m.regretted),
+                        (f"kv_restored_blocks:{medium}", m.restored),
                     ):
                         values[name] = values.get(name, 0.0) + v
             t.series.add(now, values)

@@ -265,6 +265,10 @@ ROWS: list[tuple[str, list[Graph]]] = [
                 [
                     (rate("kvwatch_kv_blocks_regretted_total", f"{BY_PROC}, medium"), "{{pid}} regretted/s {{medium}}"),
                     (
+                        rate("kvwatch_kv_blocks_restored_total", f"{BY_PROC}, medium"),
+                        "{{pid}} stored while held/s {{medium}}",
+                    ),
+                    (
                         rate("kvwatch_kv_regret_recomputed_tokens_total", f"{BY_PROC}, medium"),
                         "{{pid}} recomputed tokens/s {{medium}}",
                     ),

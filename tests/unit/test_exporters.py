@@ -71,7 +71,14 @@ def _stream(rank: int, gpu: MediumTotals, **kw: object) -> StreamStats:
 # regrets: rank 0 stored 19 removed GPU blocks again (3 within 1 s, 11 within 15 s, 5 within
 # 5 min), rank 1 two more after about 12 min: the buckets sum over ranks
 GPU_RANK0 = MediumTotals(
-    230, 190, 23, regretted=19, regret_tokens=304, regret_seconds=900.5, regret_buckets=(3, 0, 11, 0, 5, 0, 0)
+    230,
+    190,
+    23,
+    regretted=19,
+    restored=5,
+    regret_tokens=304,
+    regret_seconds=900.5,
+    regret_buckets=(3, 0, 11, 0, 5, 0, 0),
 )
 REGRET_1 = (0, 0, 0, 0, 0, 2, 0)
 

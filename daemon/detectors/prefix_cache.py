@@ -1,0 +1,98 @@
+"""KVPrefixCacheIneffective: the engine looks up substantial prompt tokens in its prefix cache
+and finds almost none, while its KV event stream shows blocks being stored.
+
+From the engine's /metrics (prefix-cache queried and hit tokens, its GPU pool) and its KV
+event stream (GPU blocks stored; of them, the ones stored again: still resident, or after a
+removal kvwatch remembers). Per engine process, over ``window_seconds``: hot when at least
+``min_queried_tokens`` were queried, the hit ratio is at most ``max_hit_ratio`` and at least
+``min_stored_blocks`` blocks were stored; cool when the hit ratio is back above twice that or
+the queries stop. The cause tells the two apart:
+
+* ``not_hit``: at least ``recur_fraction`` of the stored blocks were blocks the engine had
+  stored before. The same prefixes come back and the cache does not serve them: prefix
+  caching off, a cache salt or LoRA id that differs per request, an engine bug. A warning.
+* ``not_shared``: no such recurrence. The workload has no shared prefixes, and a prefix
+  cache cannot help it: severity info, for the record.
+
+A prefix-cache reset or sleep in the window (AllBlocksCleared, vLLM's sleep state) is
+intentional: the window is not judged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
+from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+
+ALERT = "KVPrefixCacheIneffective"
+QUERIES, HITS = "engine_prefix_queries", "engine_prefix_hits"
+STORED, REGRETTED, RESTORED = "kv_stored_blocks:GPU", "kv_regretted_blocks:GPU", "kv_restored_blocks:GPU"
+
+
+@dataclass(slots=True)
+class _State:
+    hysteresis: Hysteresis
+    cause: str = ""
+
+
+class PrefixCacheIneffective:
+    name = ALERT
+
+    def __init__(self, config: PrefixCacheIneffectiveConfig) -> None:
+        self.config = config
+        self._state: dict[str, _State] = {}
+
+    def forget(self, subject_key: str) -> None:
+        self._state.pop(subject_key, None)
+
+    def evaluate(self, view: NodeView) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        return [
+            self._evaluate(key, p, view.now)
+            for key, p in view.processes.items()
+            if QUERIES in p.series.series and STORED in p.series.series
+        ]
+
+    def _evaluate(self, key: str, p: ProcessWindow, now: float) -> Finding:
+        c, s, w = self.config, p.series, self.config.window_seconds
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = _State(Hysteresis(c.confirm_windows, c.clear_windows))
+        queried, hits, stored = s.delta(QUERIES, w), s.delta(HITS, w), s.delta(STORED, w)
+        recurring = s.delta(REGRETTED, w) + s.delta(RESTORED, w)
+        ratio = hits / queried if queried > 0 else 0.0
+        intentional = s.delta("kv_cleared", w) > 0 or s.gauge("engine_sleeping") >= 1
+        judged = p.age >= c.warmup_seconds and not intentional
+        hot = judged and queried >= c.min_queried_tokens and ratio <= c.max_hit_ratio and stored >= c.min_stored_blocks
+        cool = not judged or queried < c.min_queried_tokens or ratio > 2 * c.max_hit_ratio
+        firing, changed = st.hysteresis.step(hot, cool, now)
+        share = recurring / stored if stored > 0 else 0.0
+        if firing and changed:
+            st.cause = "not_hit" if share >= c.recur_fraction else "not_shared"
+        elif not firing:
+            st.cause = ""
+        values = {
+            "queried_tokens": queried,
+            "hit_tokens": hits,
+            "hit_ratio": round(ratio, 6),
+            "stored_blocks": stored,
+            "recurring_blocks": recurring,
+            "recurring_fraction": round(share, 6),
+            "window_seconds": w,
+        }
+        what = "the same blocks come back and are not hit" if st.cause == "not_hit" else "no block recurs"
+        return Finding(
+            alert=ALERT,
+            subject=Subject(key, p.subject.labels),
+            firing=firing,
+            cause=st.cause,
+            values=values,
+            summary=(
+                f"pid {p.subject.labels.get('pid', '?')}: {ratio:.1%} of {queried:.0f} queried prefix tokens hit "
+                f"in {w:.0f} s while {stored:.0f} blocks were stored, {share:.0%} of them again: {what}"
+            ),
+            severity="warning" if st.cause != "not_shared" else "info",
+        )

@@ -1,0 +1,117 @@
+"""KVPrefixCacheIneffective on synthetic engine series, and the block accounting it rests on:
+silent on a steady hot-prefix workload; ``not_hit`` when the same blocks come back and are not
+hit (prefix caching effectively broken), ``not_shared`` (info) when nothing recurs; a reset in
+the window is intentional."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwatch.daemon.config import DetectorsConfig, PrefixCacheIneffectiveConfig
+from kvwatch.daemon.detectors.base import Finding, Subject
+from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
+from kvwatch.daemon.detectors.registry import build_detectors
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.records import ALERT_NAMES
+from kvwatch.daemon.series import SeriesSet
+
+CFG = PrefixCacheIneffectiveConfig(warmup_seconds=10, window_seconds=20, clear_windows=3)
+SUBJECT = Subject("7@1", {"pid": "7", "engine": "vllm"})
+BS = 16
+
+
+@dataclass
+class Engine:
+    """An engine behind its KV event stream (block accounting as kvwatch's hub does it) and
+    its /metrics (prefix-cache queried and hit tokens), one second at a time."""
+
+    caching: bool = True  # False: every prefix is recomputed and its blocks stored again
+    blocks: MediumBlocks = field(default_factory=lambda: MediumBlocks(100_000, 100_000))
+    series: SeriesSet = field(default_factory=SeriesSet)
+    t: float = 0.0
+    queried: float = 0.0
+    hits: float = 0.0
+    cleared: float = 0.0
+    next_unique: int = 1 << 40
+
+    def second(self, detector: PrefixCacheIneffective, *, shared: int, unique: int, reset: bool = False) -> Finding:
+        """``shared`` requests with one 4-block prefix in common, ``unique`` with their own."""
+        self.t += 1.0
+        prefix = [1, 2, 3, 4]
+        for _ in range(shared):
+            self.queried += 4 * BS
+            resident = self.caching and self.blocks.restored + self.blocks.stored > 0
+            if resident:
+                self.hits += 4 * BS
+            else:
+                self.blocks.store(prefix, self.t, BS)
+        for _ in range(unique):
+            own = list(range(self.next_unique, self.next_unique + 4))
+            self.next_unique += 4
+            self.queried += 4 * BS
+            self.blocks.store(own, self.t, BS)
+            self.blocks.remove(own, self.t, self.t - 10)  # the pool turns over
+        if reset:
+            self.blocks.clear()
+            self.cleared += 1
+        m = self.blocks.totals()
+        self.series.add(
+            self.t,
+            {
+                "engine_prefix_queries": self.queried,
+                "engine_prefix_hits": self.hits,
+                "kv_stored_blocks:GPU": m.stored,
+                "kv_regretted_blocks:GPU": m.regretted,
+                "kv_restored_blocks:GPU": m.restored,
+                "kv_cleared": self.cleared,
+            },
+        )
+        window = ProcessWindow(SUBJECT, age=self.t, series=self.series)
+        (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
+        return f
+
+
+def run(d: PrefixCacheIneffective, e: Engine, seconds: int, **kw: int | bool) -> list[Finding]:
+    return [e.second(d, **kw) for _ in range(seconds)]  # type: ignore[arg-type]
+
+
+def test_silent_on_a_steady_hot_prefix_workload() -> None:
+    d, e = PrefixCacheIneffective(CFG), Engine()
+    findings = run(d, e, 120, shared=200, unique=5)
+    assert not any(f.firing for f in findings)
+    assert findings[-1].values["hit_ratio"] > 0.9
+
+
+def test_not_hit_when_the_same_blocks_come_back_unserved() -> None:
+    d, e = PrefixCacheIneffective(CFG), Engine(caching=False)
+    findings = run(d, e, 60, shared=200, unique=5)
+    f = findings[-1]
+    assert f.firing and f.cause == "not_hit" and f.severity == "warning"
+    assert f.values["hit_ratio"] == 0.0 and f.values["queried_tokens"] == 20 * 205 * 4 * BS
+    assert f.values["stored_blocks"] == 20 * (200 + 5) * 4  # every shared prefix stored again
+    assert f.values["recurring_blocks"] == 20 * 200 * 4  # ... of which these were stored before
+
+
+def test_not_shared_is_information_only() -> None:
+    d, e = PrefixCacheIneffective(CFG), Engine()
+    f = run(d, e, 60, shared=0, unique=100)[-1]
+    assert f.firing and f.cause == "not_shared" and f.severity == "info"
+    assert f.values["recurring_blocks"] == 0
+
+
+def test_a_reset_is_intentional_and_recovery_clears() -> None:
+    d, e = PrefixCacheIneffective(CFG), Engine(caching=False)
+    assert run(d, e, 60, shared=200, unique=5)[-1].firing
+    e.caching = True
+    findings = run(d, e, 40, shared=200, unique=5)
+    assert not findings[-1].firing
+    d2, e2 = PrefixCacheIneffective(CFG), Engine(caching=False)
+    run(d2, e2, 5, shared=200, unique=5)
+    findings = [e2.second(d2, shared=200, unique=5, reset=i % 10 == 0) for i in range(60)]
+    assert not any(f.firing for f in findings)  # a reset every 10 s: every window holds one
+
+
+def test_in_the_registry_and_the_alert_names() -> None:
+    assert "KVPrefixCacheIneffective" in ALERT_NAMES
+    assert any(isinstance(x, PrefixCacheIneffective) for x in build_detectors(DetectorsConfig(), 0.0))
