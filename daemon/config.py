@@ -245,7 +245,7 @@ class PrefixCacheIneffectiveConfig(DetectorCommon):
     min_queried_tokens: NonNegFloat = 20_000.0  # prompt tokens looked up in the window, to judge at all
     max_hit_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.02  # hot at or below; cool above twice this
     min_stored_blocks: NonNegFloat = 100.0  # GPU blocks stored in the window (the KV event stream)
-    recur_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05  # of those, stored before: cause not_hit
+    recur_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05  # of those, stored while held: cause not_hit
 
 
 class PreemptionLivelockConfig(DetectorCommon):

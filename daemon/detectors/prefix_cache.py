@@ -2,20 +2,22 @@
 and finds almost none, while its KV event stream shows blocks being stored.
 
 From the engine's /metrics (prefix-cache queried and hit tokens, its GPU pool) and its KV
-event stream (GPU blocks stored; of them, the ones stored again: still resident, or after a
-removal kvwatch remembers). Per engine process, over ``window_seconds``: hot when at least
-``min_queried_tokens`` were queried, the hit ratio is at most ``max_hit_ratio`` and at least
-``min_stored_blocks`` blocks were stored; cool when the hit ratio is back above twice that or
-the queries stop. The cause tells the two apart:
+event stream (GPU blocks stored; of them, those stored again while the engine still held
+them, and those stored again after their eviction). Per engine process, over
+``window_seconds``: hot when at least ``min_queried_tokens`` were queried, the hit ratio is
+at most ``max_hit_ratio`` and at least ``min_stored_blocks`` blocks were stored; cool when
+the hit ratio is back above twice that or the queries stop. The cause tells two apart:
 
-* ``not_hit``: at least ``recur_fraction`` of the stored blocks were blocks the engine had
-  stored before. The same prefixes come back and the cache does not serve them: prefix
-  caching off, a cache salt or LoRA id that differs per request, an engine bug. A warning.
-* ``not_shared``: no such recurrence. The workload has no shared prefixes, and a prefix
+* ``not_hit``: at least ``recur_fraction`` of the stored blocks were stored again while the
+  engine held them. The same prefixes come back and the cache it has does not serve them:
+  prefix caching off, a cache salt or LoRA id that differs per request, an engine bug. A
+  warning.
+* ``not_shared``: no block recurs at all. The workload has no shared prefixes, and a prefix
   cache cannot help it: severity info, for the record.
 
-A prefix-cache reset or sleep in the window (AllBlocksCleared, vLLM's sleep state) is
-intentional: the window is not judged.
+Blocks that come back only after their eviction are the pool too small for the working set:
+KVEvictionBurst's case, not judged here. Nor is a window with a prefix-cache reset or sleep
+(AllBlocksCleared, vLLM's sleep state): both are intentional.
 """
 
 from __future__ import annotations
@@ -62,14 +64,15 @@ class PrefixCacheIneffective:
         if st is None:
             st = self._state[key] = _State(Hysteresis(c.confirm_windows, c.clear_windows))
         queried, hits, stored = s.delta(QUERIES, w), s.delta(HITS, w), s.delta(STORED, w)
-        recurring = s.delta(REGRETTED, w) + s.delta(RESTORED, w)
+        restored, regretted = s.delta(RESTORED, w), s.delta(REGRETTED, w)
         ratio = hits / queried if queried > 0 else 0.0
+        share = restored / stored if stored > 0 else 0.0
+        evicted_first = share < c.recur_fraction and regretted >= c.recur_fraction * stored > 0
         intentional = s.delta("kv_cleared", w) > 0 or s.gauge("engine_sleeping") >= 1
-        judged = p.age >= c.warmup_seconds and not intentional
+        judged = p.age >= c.warmup_seconds and not intentional and not evicted_first
         hot = judged and queried >= c.min_queried_tokens and ratio <= c.max_hit_ratio and stored >= c.min_stored_blocks
         cool = not judged or queried < c.min_queried_tokens or ratio > 2 * c.max_hit_ratio
         firing, changed = st.hysteresis.step(hot, cool, now)
-        share = recurring / stored if stored > 0 else 0.0
         if firing and changed:
             st.cause = "not_hit" if share >= c.recur_fraction else "not_shared"
         elif not firing:
@@ -79,11 +82,12 @@ class PrefixCacheIneffective:
             "hit_tokens": hits,
             "hit_ratio": round(ratio, 6),
             "stored_blocks": stored,
-            "recurring_blocks": recurring,
+            "stored_while_held": restored,
+            "stored_after_eviction": regretted,
             "recurring_fraction": round(share, 6),
             "window_seconds": w,
         }
-        what = "the same blocks come back and are not hit" if st.cause == "not_hit" else "no block recurs"
+        what = "the blocks it holds are not hit" if st.cause == "not_hit" else "no block recurs"
         return Finding(
             alert=ALERT,
             subject=Subject(key, p.subject.labels),

@@ -61,6 +61,7 @@ class _Metrics:
                 "External prefix cache hits from KV connector cross-instance cache sharing, in tokens.",
             ),
             "preemptions": counter("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+            "generated": counter("vllm:generation_tokens", "Number of generation tokens processed."),
             "store_bytes": counter("vllm:kv_offload_store_bytes", "Number of bytes stored by KV offloading"),
             "load_bytes": counter("vllm:kv_offload_load_bytes", "Number of bytes loaded by KV offloading"),
         }
@@ -117,11 +118,12 @@ class SimulatedVllm:
         max_num_seqs: int = 256,
         dev_mode: bool = False,
         step_seconds: float = 0.005,
+        broken_prefix_cache: bool = False,
     ) -> None:
         self.model = model
         self.dev_mode = dev_mode
         self.step_seconds = step_seconds
-        self.pool = BlockPool(capacity)
+        self.pool = BlockPool(capacity, broken=broken_prefix_cache)
         self.cpu = CpuTier(cpu_blocks, BLOCK_BYTES) if cpu_blocks > 0 else None
         self.scheduler = Scheduler(self.pool, self.cpu, max_num_seqs)
         self.publisher = WirePublisher(kv_endpoint, replay_endpoint, layout=layout, topic=topic)
@@ -240,10 +242,14 @@ class SimulatedVllm:
             self.pool.set_ballast(blocks, events)
             self.emit(events)
 
-    def evict(self, n: int) -> None:
+    def evict(self, n: int, *, reset: bool = False) -> None:
+        """Drop ``n`` cached blocks (a policy bug); with ``reset``, a prefix-cache reset in the
+        same step, so that a subscriber sees both in one batch."""
         with self._lock:
             events: list[dict[str, Any]] = []
             self.pool.evict(n, events)
+            if reset:
+                self.pool.reset(events)
             self.emit(events)
 
     def reset(self) -> None:
@@ -254,6 +260,12 @@ class SimulatedVllm:
     def preempt(self, n: int) -> None:
         with self._lock:
             self.pool.stats.preemptions += n
+            self._sync_metrics()
+
+    def generate(self, n: int) -> None:
+        """Tokens decoded by the scripted "running requests" (the HTTP engine counts its own)."""
+        with self._lock:
+            self.pool.stats.generated += n
             self._sync_metrics()
 
     def close(self) -> None:

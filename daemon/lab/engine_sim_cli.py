@@ -24,6 +24,8 @@ class Traffic:
     hot: int = 20
     blocks: int = 8
     unique: bool = False
+    decode: float = 0.0  # tokens/s the scripted running requests generate
+    preempting: float = 0.0  # requests/s preempted
     _n: int = 0
 
     def prefixes(self, k: int) -> list[int]:
@@ -40,11 +42,17 @@ def running(sim: SimulatedVllm, traffic: Traffic, *, hz: float = 20.0) -> Iterat
     stop = threading.Event()
 
     def loop() -> None:
-        carry = 0.0
+        carry = [0.0, 0.0, 0.0]  # requests, tokens, preemptions owed
         while not stop.wait(1.0 / hz):
-            carry += traffic.rate / hz
-            k, carry = int(carry), carry - int(carry)
+            for i, rate in enumerate((traffic.rate, traffic.decode, traffic.preempting)):
+                carry[i] += rate / hz
+            k, tokens, preempted = (int(c) for c in carry)
+            carry = [c - int(c) for c in carry]
             sim.step(traffic.prefixes(k), traffic.blocks)
+            if tokens:
+                sim.generate(tokens)
+            if preempted:
+                sim.preempt(preempted)
 
     t = threading.Thread(target=loop, name="sim-vllm-traffic", daemon=True)
     t.start()
@@ -58,8 +66,9 @@ def running(sim: SimulatedVllm, traffic: Traffic, *, hz: float = 20.0) -> Iterat
 # --- a stand-in for `vllm serve`, driven line by line on stdin -----------------------------------
 USAGE = """commands (one per line; each answered with "ok <command>"):
   traffic RATE HOT BLOCKS UNIQUE   requests/s from HOT prefixes of BLOCKS blocks (UNIQUE 1: new prompts)
-  active N      running requests hold N blocks      evict N   drop N cached blocks (policy bug)
+  active N      running requests hold N blocks      evict N [1]  drop N cached blocks (policy bug; 1: and reset)
   reset         prefix-cache reset                   preempt N
+  decode TOKENS_PER_S   running requests generate     preempting PER_S   requests preempted per second
   sleep LEVEL   sleep mode 1/2 (0: awake)            lose N / forget N   batches off the wire
   garbage       one malformed message               stats     pool counters as JSON
   quit"""
@@ -73,9 +82,11 @@ def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[
     return {
         "traffic": set_traffic,
         "active": lambda n: sim.set_active(int(n[0])),
-        "evict": lambda n: sim.evict(int(n[0])),
+        "evict": lambda n: sim.evict(int(n[0]), reset=len(n) > 1 and bool(n[1])),
         "reset": lambda n: sim.reset(),
         "preempt": lambda n: sim.preempt(int(n[0])),
+        "decode": lambda n: setattr(traffic, "decode", n[0]),
+        "preempting": lambda n: setattr(traffic, "preempting", n[0]),
         "sleep": lambda n: sim.sleep(int(n[0])) if int(n[0]) else sim.wake_up(),
         "lose": lambda n: pub.lose(int(n[0])),
         "forget": lambda n: pub.forget(int(n[0])),
@@ -98,6 +109,9 @@ def _args(argv: list[str] | None) -> Any:
     ap.add_argument("--served-model-name")
     ap.add_argument("--layout", default=Layout.V0_26.value, choices=[x.value for x in Layout])
     ap.add_argument("--step-seconds", type=float, default=0.005)
+    ap.add_argument(
+        "--broken-prefix-cache", action="store_true", help="lookups always miss; blocks still stored and announced"
+    )
     ap.add_argument(
         "--serve-until-signal", action="store_true", help="no stdin commands: serve HTTP until SIGTERM (as vLLM)"
     )
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         step_seconds=args.step_seconds,
+        broken_prefix_cache=args.broken_prefix_cache,
     )
     if args.serve_until_signal:
         stop = threading.Event()

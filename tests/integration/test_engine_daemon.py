@@ -35,6 +35,19 @@ window_seconds = 4
 confirm_windows = 2
 clear_windows = 2
 quiet_after_reset_seconds = 10
+[detectors.prefix_cache_ineffective]
+warmup_seconds = 8            # a cold cache's first seconds share nothing yet
+window_seconds = 6
+min_queried_tokens = 1000
+min_stored_blocks = 20
+confirm_windows = 2
+clear_windows = 2
+[detectors.preemption_livelock]
+warmup_seconds = 0
+baseline_min_seconds = 5
+window_seconds = 4
+confirm_windows = 2
+clear_windows = 2
 """
 HOT = "traffic 20 250 8 0"  # 20 requests/s over 250 prefixes of 8 blocks: 2000 hot blocks, reused
 IDLE = "traffic 0 1 1 0"
@@ -62,11 +75,16 @@ def engine(tmp_path: Path, replay: bool = False, **kw: object) -> SimulatedEngin
     )
 
 
-def alert(d: DaemonProcess, pid: int) -> dict[str, str] | None:
+def alert(d: DaemonProcess, pid: int, name: str = "KVEvictionBurst") -> dict[str, str] | None:
     for labels, v in d.metrics().get("kvwatch_alert_active", []):
-        if labels.get("alert") == "KVEvictionBurst" and labels.get("pid") == str(pid) and v == 1:
+        if labels.get("alert") == name and labels.get("pid") == str(pid) and v == 1:
             return labels
     return None
+
+
+def fired(d: DaemonProcess, name: str) -> set[str]:
+    """The causes an alert fired with, from the daemon's log."""
+    return {str(e["cause"]) for e in d.log_events() if e.get("event") == "alert firing" and e.get("alert") == name}
 
 
 def tapped(d: DaemonProcess, pid: int) -> None:
@@ -105,6 +123,13 @@ def test_pressure_burst_alert_and_exact_counts(tmp_path: Path, kvwatch: DaemonPr
         assert kvwatch.value("kvwatch_kv_event_batches_lost_total", pid=pid) == 0
         assert kvwatch.value("kvwatch_engine_kv_usage_ratio", pid=pid) == 0.95
         assert kvwatch.value("kvwatch_alerts_fired_total", alert="KVEvictionBurst") == 1
+        # hot prefixes served from the cache, then evicted by pressure and stored again: never a
+        # prefix cache that does not work (the traffic's first pass over its 250 prefixes shares
+        # nothing yet: not_shared, information), and never a livelock
+        assert kvwatch.value("kvwatch_kv_blocks_regretted_total", pid=pid, medium="GPU") > 0
+        assert kvwatch.value("kvwatch_kv_blocks_restored_total", pid=pid, medium="GPU") == 0
+        assert fired(kvwatch, "KVPrefixCacheIneffective") <= {"not_shared"}
+        assert fired(kvwatch, "KVPreemptionLivelock") == set()
 
 
 def test_unexpected_burst_fires_but_reset_does_not(tmp_path: Path, kvwatch: DaemonProcess) -> None:
@@ -113,8 +138,8 @@ def test_unexpected_burst_fires_but_reset_does_not(tmp_path: Path, kvwatch: Daem
         sim.do("active 400")
         sim.do(HOT)
         time.sleep(22)
-        sim.do("evict 1500")  # three quarters of the hot blocks gone at 10 % usage...
-        sim.do("reset")  # ...together with a prefix-cache reset: intentional
+        sim.do("evict 1500 1")  # three quarters of the hot blocks gone at 10 % usage, in the step of
+        # a prefix-cache reset: intentional
         time.sleep(8)
         assert kvwatch.value("kvwatch_alerts_fired_total", alert="KVEvictionBurst") == 0
         assert kvwatch.value("kvwatch_kv_cache_resets_total", pid=str(sim.pid)) == 1
@@ -165,3 +190,38 @@ def test_gaps_replay_loss_garbage_and_engine_restart(tmp_path: Path, kvwatch: Da
         assert kvwatch.value("kvwatch_kv_blocks_stored_total", pid=str(sim.pid), medium="GPU") == st["stored"] > 0
     finally:
         sim.close()
+
+
+def test_broken_prefix_cache_is_not_hit(tmp_path: Path, kvwatch: DaemonProcess) -> None:
+    """The engine's lookups always miss while it stores and announces every block again."""
+    with engine(tmp_path, extra=["--broken-prefix-cache"]) as sim:
+        tapped(kvwatch, sim.pid)
+        sim.do("traffic 20 10 4 0")  # 10 shared prefixes of 4 blocks, 20 requests/s
+        wait_until(lambda: alert(kvwatch, sim.pid, "KVPrefixCacheIneffective") is not None, 30, "not_hit")
+        labels = alert(kvwatch, sim.pid, "KVPrefixCacheIneffective")
+        assert labels is not None and labels["cause"] == "not_hit" and labels["severity"] == "warning"
+        pid = str(sim.pid)
+        assert kvwatch.value("kvwatch_engine_prefix_cache_hit_tokens_total", pid=pid, medium="GPU") == 0
+        assert kvwatch.value("kvwatch_kv_blocks_restored_total", pid=pid, medium="GPU") > 0
+
+
+def test_preemption_livelock_fires_and_clears(tmp_path: Path, kvwatch: DaemonProcess) -> None:
+    with engine(tmp_path) as sim:
+        tapped(kvwatch, sim.pid)
+        sim.do("traffic 20 250 8 0")
+        sim.do("decode 2000")
+        sim.do("preempting 1")  # preempting at a healthy throughput: no livelock
+        time.sleep(12)  # the healthy rate is learnt from calm windows only: none yet
+        sim.do("preempting 0")
+        time.sleep(12)  # calm: learnt
+        assert kvwatch.value("kvwatch_alerts_fired_total", alert="KVPreemptionLivelock") == 0
+        sim.do("preempting 5")
+        sim.do("decode 50")
+        wait_until(lambda: alert(kvwatch, sim.pid, "KVPreemptionLivelock") is not None, 30, "livelock")
+        labels = alert(kvwatch, sim.pid, "KVPreemptionLivelock")
+        assert labels is not None and labels["cause"] == "livelock"
+        sim.do("preempting 0")
+        sim.do("decode 2000")
+        wait_until(lambda: alert(kvwatch, sim.pid, "KVPreemptionLivelock") is None, 30, "cleared")
+        pid = str(sim.pid)
+        assert kvwatch.value("kvwatch_engine_generation_tokens_total", pid=pid) > 0

@@ -27,6 +27,7 @@ tick_seconds = 0.5
 listen = "127.0.0.1:{port}"
 [discovery]
 interval_seconds = 0.5
+default_rules = false         # only this file's workloads: an engine elsewhere on the host is not ours
 rules = [
   {cuda_rule},
   {nixl_rule},

@@ -90,14 +90,23 @@ def test_not_hit_when_the_same_blocks_come_back_unserved() -> None:
     assert f.firing and f.cause == "not_hit" and f.severity == "warning"
     assert f.values["hit_ratio"] == 0.0 and f.values["queried_tokens"] == 20 * 205 * 4 * BS
     assert f.values["stored_blocks"] == 20 * (200 + 5) * 4  # every shared prefix stored again
-    assert f.values["recurring_blocks"] == 20 * 200 * 4  # ... of which these were stored before
+    assert f.values["stored_while_held"] == 20 * 200 * 4  # ... of which these were held already
 
 
 def test_not_shared_is_information_only() -> None:
     d, e = PrefixCacheIneffective(CFG), Engine()
     f = run(d, e, 60, shared=0, unique=100)[-1]
     assert f.firing and f.cause == "not_shared" and f.severity == "info"
-    assert f.values["recurring_blocks"] == 0
+    assert f.values["stored_while_held"] == f.values["stored_after_eviction"] == 0
+
+
+def test_blocks_back_only_after_their_eviction_are_the_pools_size_not_a_broken_cache() -> None:
+    d, e, findings = PrefixCacheIneffective(CFG), Engine(), []
+    for _ in range(60):  # the same 100 prompts every second, each evicted before it comes back
+        e.next_unique = 1 << 40
+        findings.append(e.second(d, shared=0, unique=100))
+    assert findings[-1].values["stored_after_eviction"] > 0 and findings[-1].values["stored_while_held"] == 0
+    assert not any(f.firing for f in findings)
 
 
 def test_a_reset_is_intentional_and_recovery_clears() -> None:
