@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from kvwatch.daemon.config import PreemptionLivelockConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
 
 ALERT = "KVPreemptionLivelock"
 PREEMPTIONS, TOKENS = "engine_preemptions", "engine_generation_tokens"
@@ -34,31 +35,16 @@ class _State:
     learning_since: float | None = None
 
 
-class PreemptionLivelock:
+class PreemptionLivelock(ProcessDetector[PreemptionLivelockConfig, _State]):
     name = ALERT
+    needs = (PREEMPTIONS, TOKENS)
 
-    def __init__(self, config: PreemptionLivelockConfig) -> None:
-        self.config = config
-        self._state: dict[str, _State] = {}
-
-    def forget(self, subject_key: str) -> None:
-        self._state.pop(subject_key, None)
-
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        if not self.config.enabled:
-            return []
-        return [
-            self._evaluate(key, p, view.now)
-            for key, p in view.processes.items()
-            if PREEMPTIONS in p.series.series and TOKENS in p.series.series
-        ]
-
-    def _evaluate(self, key: str, p: ProcessWindow, now: float) -> Finding:
+    def new_state(self) -> _State:
         c = self.config
-        st = self._state.get(key)
-        if st is None:
-            st = _State(Hysteresis(c.confirm_windows, c.clear_windows), Baseline(c.baseline_half_life_seconds))
-            self._state[key] = st
+        return _State(Hysteresis(c.confirm_windows, c.clear_windows), Baseline(c.baseline_half_life_seconds))
+
+    def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
+        c = self.config
         w = c.window_seconds
         preempted = p.series.delta(PREEMPTIONS, w)
         tokens = p.series.delta(TOKENS, w)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
 
 ALERT = "KVPrefixCacheIneffective"
 QUERIES, HITS = "engine_prefix_queries", "engine_prefix_hits"
@@ -39,30 +40,15 @@ class _State:
     cause: str = ""
 
 
-class PrefixCacheIneffective:
+class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _State]):
     name = ALERT
+    needs = (QUERIES, STORED)
 
-    def __init__(self, config: PrefixCacheIneffectiveConfig) -> None:
-        self.config = config
-        self._state: dict[str, _State] = {}
+    def new_state(self) -> _State:
+        return _State(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
 
-    def forget(self, subject_key: str) -> None:
-        self._state.pop(subject_key, None)
-
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        if not self.config.enabled:
-            return []
-        return [
-            self._evaluate(key, p, view.now)
-            for key, p in view.processes.items()
-            if QUERIES in p.series.series and STORED in p.series.series
-        ]
-
-    def _evaluate(self, key: str, p: ProcessWindow, now: float) -> Finding:
+    def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c, s, w = self.config, p.series, self.config.window_seconds
-        st = self._state.get(key)
-        if st is None:
-            st = self._state[key] = _State(Hysteresis(c.confirm_windows, c.clear_windows))
         queried, hits, stored = s.delta(QUERIES, w), s.delta(HITS, w), s.delta(STORED, w)
         restored, regretted = s.delta(RESTORED, w), s.delta(REGRETTED, w)
         ratio = hits / queried if queried > 0 else 0.0

@@ -1,0 +1,46 @@
+"""Base of the detectors that judge each watched process on its own series, with a state of
+their own per process (dropped with the process)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Generic, TypeVar
+
+from kvwatch.daemon.config import DetectorCommon
+from kvwatch.daemon.detectors.base import Finding
+from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+
+C = TypeVar("C", bound=DetectorCommon)
+S = TypeVar("S")
+
+
+class ProcessDetector(Generic[C, S]):
+    """Judges every watched process that has all the series in ``needs``; subclasses give
+    ``name``, ``needs``, ``new_state`` and ``judge``."""
+
+    name: str = ""
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: C) -> None:
+        self.config = config
+        self._state: dict[str, S] = {}
+
+    def forget(self, subject_key: str) -> None:
+        self._state.pop(subject_key, None)
+
+    def evaluate(self, view: NodeView) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        out = []
+        for key, p in view.processes.items():
+            if all(n in p.series.series for n in self.needs):
+                st = self._state.get(key)
+                if st is None:
+                    st = self._state[key] = self.new_state()
+                out.append(self.judge(key, st, p, view.now))
+        return out
+
+    def new_state(self) -> S:
+        raise NotImplementedError
+
+    def judge(self, key: str, st: S, p: ProcessWindow, now: float) -> Finding:
+        raise NotImplementedError
