@@ -21,8 +21,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from kvwatch.daemon.engines.hashmem import Hash, HashMemory
+from kvwatch.daemon.engines.hashmem import HashMemory
 from kvwatch.daemon.engines.records import REGRET_BUCKETS, MediumTotals
+from kvwatch.daemon.engines.wire import Hash
 
 
 class MediumBlocks:

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
+from kvwatch.daemon.engines.wire import Hash
 
-Hash = int | bytes
 MASK64 = (1 << 64) - 1
 GENERATIONS = 16  # the dict holds at most capacity / GENERATIONS entries
 
