@@ -27,6 +27,8 @@ DETECTOR = {
     "KVCacheReuseCollapse": "reuse_collapse",
     "KVTransferBandwidthCollapse": "transfer_collapse",
     "KVEvictionBurst": "eviction_burst",
+    "KVPrefixCacheIneffective": "prefix_cache_ineffective",
+    "KVPreemptionLivelock": "preemption_livelock",
     "InferenceProcessOOMKilled": "oom",
 }
 

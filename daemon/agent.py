@@ -21,11 +21,13 @@ from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.registry import build_detectors
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.discovery import Discovery
+from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker, link_bytes_per_second, transfer_family
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.losses import account_losses
 from kvwatch.daemon.nvml import Nvml
 from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.psi import PressureReader
@@ -93,6 +95,7 @@ class Agent:
         self.pressure = PressureReader(procfs)
         self.detectors = build_detectors(config.detectors, self.link_bytes_per_second)
         self.engines = engines
+        self.losses = LossLedger(config.engines.kv_block_bytes)
         if engines is not None:
             engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
@@ -220,6 +223,7 @@ class Agent:
             ("transfer", lambda: self.transfer_family.tick(self.tracker.tracked())),
             ("engines", self._sync_engines),
             ("sample", lambda: self._ingest(now)),
+            ("losses", lambda: self._account_losses(now)),
         ):
             try:
                 step()
@@ -233,6 +237,7 @@ class Agent:
         self.alerts.apply(findings, self.wall())
         self.tracker.expire()
         for gone in self.tracker.take_removed():
+            self.losses.forget([gone.key])
             for d in self.detectors:
                 d.forget(gone.key)
             self.alerts.drop_subject(gone.key, self.wall())
@@ -272,6 +277,11 @@ class Agent:
         if self.engines is not None:
             self.engines.add_series(tracked, now)
         self.memory_family.ingest(now)
+
+    def _account_losses(self, now: float) -> None:
+        tracked = self.tracker.tracked()
+        oom = self.memory_family.pending_oom_events()
+        account_losses(self.losses, self.engines, self.memory_family, tracked, oom=oom, now=now)
 
     # --- detection ------------------------------------------------------------------------------
     def _process_window(self, t: Tracked, now: float) -> ProcessWindow:

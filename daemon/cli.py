@@ -16,6 +16,17 @@ from kvwatch.daemon.config_load import ConfigError, load_config
 from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.top import SORT_KEYS
 
+# the lab's demo.SCENARIOS, named here so that parsing the command line loads no lab code
+DEMO_SCENARIOS = (
+    "host-tier",
+    "reuse-collapse",
+    "transfer-collapse",
+    "eviction-burst",
+    "prefix-cache",
+    "preemption-livelock",
+    "oom",
+)
+
 log = structlog.get_logger("kvwatch")
 
 RUN_EPILOG = """\
@@ -129,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--scenario",
         action="append",
-        choices=["host-tier", "reuse-collapse", "transfer-collapse", "eviction-burst", "oom"],
+        choices=DEMO_SCENARIOS,
         help="default: all",
     )
     demo.add_argument("--work-dir", type=Path, default=Path("/var/tmp/kvwatch-demo"))

@@ -185,6 +185,9 @@ class EnginesConfig(_Section):
     # Removed block hashes remembered per stream and medium to see them stored again
     # (regretted evictions); about 21 bytes each, the oldest forgotten first (counted). 0: off.
     regret_memory_blocks: Annotated[int, Field(ge=0)] = 524_288
+    # Bytes of one KV block, to price the loss ledger; 0: learnt from the engine's offload
+    # counter (bytes copied to its CPU tier over CPU blocks announced), else blocks only.
+    kv_block_bytes: Annotated[int, Field(ge=0)] = 0
     endpoints: list[EngineEndpoint] = []
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvwatch.daemon.engines.records import LOST_BYTES, EngineView, LossTotal
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.probes.cuda import CUDA_APIS
@@ -32,7 +34,7 @@ PROCESS_RATES = (
     "cuda_freed_bytes",
     "xfer_bytes",
 )
-KV_RATE_PREFIXES = ("kv_removed_blocks:", "kv_regretted_blocks:")  # per medium
+KV_RATE_PREFIXES = ("kv_removed_blocks:", "kv_regretted_blocks:", LOST_BYTES)  # per medium / tier:cause
 CUDA_API_CLASSES = {
     a.label: "alloc" if a.is_alloc else "free" if a.is_free else "map" for a in CUDA_APIS if not a.is_copy
 }
@@ -162,10 +164,24 @@ def _process_views(agent: Agent) -> tuple[ProcessView, ...]:
             gpu_used_bytes=gpu.get(t.pid),
             cuda=_cuda_view(agent, t),
             transfers=_transfer_view(agent, t),
-            engine=agent.engines.view(t, window) if agent.engines else None,
+            engine=_engine_view(agent, t, window),
+            kv_losses=_losses(agent, t),
         )
         for t in agent.tracker.tracked()
     )
+
+
+def _engine_view(agent: Agent, t: Tracked, window: float) -> EngineView | None:
+    view = agent.engines.view(t, window) if agent.engines else None
+    led = agent.losses.engines.get(t.key)
+    if view is None or led is None or led.block_bytes.value is None:
+        return view
+    return replace(view, block_bytes=led.block_bytes.value, block_bytes_source=led.block_bytes.source)
+
+
+def _losses(agent: Agent, t: Tracked) -> dict[tuple[str, str], LossTotal]:
+    led = agent.losses.engines.get(t.key)
+    return led.totals() if led is not None else {}
 
 
 def _tier_views(agent: Agent) -> tuple[TierView, ...]:

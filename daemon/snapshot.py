@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.engines.records import EngineView
+from kvwatch.daemon.engines.records import EngineView, LossTotal
 from kvwatch.daemon.records import Alert
 from kvwatch.probes.records import ApiCounters, XferCounters
 
@@ -56,6 +56,7 @@ class ProcessView:
     cuda: CudaView | None = None
     transfers: TransferView | None = None
     engine: EngineView | None = None  # KV event streams and /metrics of this engine process
+    kv_losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause): the ledger
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,15 @@ import time
 from collections.abc import Callable, Iterator
 
 from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters import prom_agent, prom_alerts, prom_cuda, prom_engines, prom_memory, prom_transfers
+from kvwatch.exporters import (
+    prom_agent,
+    prom_alerts,
+    prom_cuda,
+    prom_engines,
+    prom_losses,
+    prom_memory,
+    prom_transfers,
+)
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -50,6 +58,7 @@ class SnapshotCollector(Collector):
         yield from prom_cuda.cuda_families(s)
         yield from prom_transfers.transfer_families(s)
         yield from prom_engines.engine_families(s)
+        yield from prom_losses.loss_families(s)
         yield from prom_memory.tier_families(s)
         yield from prom_memory.oom_family(s)
         yield from prom_alerts.active_family(s)

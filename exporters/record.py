@@ -50,6 +50,7 @@ class Lane:
     RECLAIM = 4
     KV_BLOCKS = 5
     ALERTS = 6
+    KV_LOST = 7
 
 
 LANE_NAMES = {
@@ -59,6 +60,7 @@ LANE_NAMES = {
     Lane.RECLAIM: "reclaim stalls",
     Lane.KV_BLOCKS: "KV blocks",
     Lane.ALERTS: "alerts",
+    Lane.KV_LOST: "KV lost by tier and cause",
 }
 
 
@@ -82,6 +84,17 @@ def _kv_totals(p: ProcessView) -> dict[str, float]:
         out[f"stored {medium}"] = float(m.stored)
         out[f"removed {medium}"] = float(m.removed)
         out[f"regretted {medium}"] = float(m.regretted)
+    return out
+
+
+def _lost_totals(p: ProcessView) -> dict[str, float]:
+    """The loss ledger's rows in MiB (blocks where the block size is not known yet)."""
+    out: dict[str, float] = {}
+    for (tier, cause), row in p.kv_losses.items():
+        if row.bytes is not None:
+            out[f"{tier} {cause} MiB"] = row.bytes / MIB
+        else:
+            out[f"{tier} {cause} blocks"] = float(row.blocks)
     return out
 
 
@@ -177,18 +190,8 @@ class TraceRecorder:
             who = " ".join(x for x in (lab.get("engine"), lab.get("role"), lab.get("component")) if x)
             where = lab.get("pod") or lab.get("container") or ""
             self._name_process(p.pid, f"{who} pid {p.pid}" + (f" ({where})" if where else ""))
-            if not p.alive:
-                continue
-            cuda = _cuda_totals(p)
-            if cuda:
-                self._counter("cuda", pid=p.pid, tid=Lane.CUDA, name="CUDA segments", now_us=now_us, totals=cuda)
-            self._counter(
-                "reclaim", pid=p.pid, tid=Lane.RECLAIM, name="reclaim", now_us=now_us, totals=_reclaim_totals(p)
-            )
-            kv = _kv_totals(p)
-            if kv:
-                self._counter("kv_blocks", pid=p.pid, tid=Lane.KV_BLOCKS, name="KV blocks", now_us=now_us, totals=kv)
-                self._regret_burst(p, now_us)
+            if p.alive:
+                self._process_lanes(p, now_us)
         for tier in snap.tiers:
             t = tier.totals
             self._counter(
@@ -208,6 +211,19 @@ class TraceRecorder:
         if self._lost0 is None:
             self._lost0 = lost
         self.lost = {k: v - self._lost0.get(k, 0) for k, v in lost.items() if v - self._lost0.get(k, 0)}
+
+    def _process_lanes(self, p: ProcessView, now_us: float) -> None:
+        cuda = _cuda_totals(p)
+        if cuda:
+            self._counter("cuda", pid=p.pid, tid=Lane.CUDA, name="CUDA segments", now_us=now_us, totals=cuda)
+        self._counter("reclaim", pid=p.pid, tid=Lane.RECLAIM, name="reclaim", now_us=now_us, totals=_reclaim_totals(p))
+        kv = _kv_totals(p)
+        if kv:
+            self._counter("kv_blocks", pid=p.pid, tid=Lane.KV_BLOCKS, name="KV blocks", now_us=now_us, totals=kv)
+            self._regret_burst(p, now_us)
+        if p.kv_losses:
+            ledger = _lost_totals(p)
+            self._counter("kv_lost", pid=p.pid, tid=Lane.KV_LOST, name="KV lost", now_us=now_us, totals=ledger)
 
     def _regret_burst(self, p: ProcessView, now_us: float) -> None:
         """An instant where an engine begins storing blocks it removed (a tick with regrets after

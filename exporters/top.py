@@ -172,6 +172,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("link", "LINK", lambda r: pct(r.link_pct), lambda r: r.link_pct or 0.0),
     Column("kv", "KV RM/s", lambda r: num(r.kv_removed_per_s), lambda r: r.kv_removed_per_s or 0.0),
     Column("regret", "REGRET", lambda r: pct(r.regret_pct), lambda r: r.regret_pct or 0.0),
+    Column("lost", "LOST MiB/s", lambda r: mib(r.lost_bps), lambda r: r.lost_bps or 0.0),
+    Column("cause", "LOST MOST", lambda r: r.lost_cause or "-", lambda r: r.lost_cause, "left"),
     Column("alerts", "ALERTS", lambda r: ",".join(r.alerts) or "-", lambda r: len(r.alerts), "left"),
 )
 SORT_KEYS = tuple(c.key for c in COLUMNS)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from kvwatch.daemon.engines.records import LOST_BYTES
 
 if TYPE_CHECKING:
     from kvwatch.daemon.snapshot import ProcessView, Snapshot
@@ -45,6 +46,8 @@ class TopRow(msgspec.Struct, frozen=True, kw_only=True):
     link_pct: float | None  # effective bandwidth as % of the link; None when the link is unknown
     kv_removed_per_s: float | None  # KV blocks removed (engine events); None without an event stream
     regret_pct: float | None = None  # % of removed blocks stored again (the worst medium); None: no removals
+    lost_bps: float | None = None  # KV bytes lost, every tier and cause (the loss ledger); None: no ledger
+    lost_cause: str = ""  # the tier:cause losing the most bytes now
     alerts: tuple[str, ...] = ()
 
 
@@ -124,8 +127,18 @@ def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow
         link_pct=100.0 * eff / snap.link_bytes_per_second if snap.link_bytes_per_second > 0 and eff > 0 else None,
         kv_removed_per_s=sum(removed) if removed else None,
         regret_pct=100.0 * max(p.engine.regret_ratio.values()) if p.engine and p.engine.regret_ratio else None,
+        **_lost(p),
         alerts=tuple(sorted(alerts.get(str(p.pid), []))),
     )
+
+
+def _lost(p: ProcessView) -> dict[str, Any]:
+    """Bytes lost per second over the ledger's rows, and the row losing the most."""
+    rates = {k[len(LOST_BYTES) :]: v for k, v in p.rates.items() if k.startswith(LOST_BYTES)}
+    if not rates:
+        return {}
+    top = max(rates, key=lambda k: rates[k])
+    return {"lost_bps": sum(rates.values()), "lost_cause": top if rates[top] > 0 else ""}
 
 
 def build_frame(snap: Snapshot, host: str | None = None) -> TopFrame:

@@ -13,7 +13,12 @@ entries go first, each one dropped counted.
 
 An AllBlocksCleared (prefix-cache reset, sleep) or a publisher restart empties both:
 blocks stored after a deliberate reset are not regrets, and a restarted engine's hashes
-need not mean what they meant before.
+need not mean what they meant before. The blocks a reset drops (those resident) are counted.
+
+A GPU removal of a block that no lower tier of the same stream holds or has removed is an
+offload the engine dropped: the block left the GPU without ever reaching the tier below
+(``dropped``, counted on the GPU medium; only once that tier has stored something, and only
+for blocks whose store the stream saw).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class MediumBlocks:
         "_regret_le",
         "_removed_at",
         "_stored_at",
+        "cleared",
+        "dropped",
         "regret_seconds",
         "regret_tokens",
         "regretted",
@@ -44,6 +51,8 @@ class MediumBlocks:
         self.stored = self.removed = self.young = 0
         self.regretted = self.regret_tokens = 0
         self.restored = 0  # stored again while still resident
+        self.cleared = 0  # resident when an AllBlocksCleared dropped them
+        self.dropped = 0  # removed without a lower tier ever holding them
         self.regret_seconds = 0.0
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
@@ -56,10 +65,25 @@ class MediumBlocks:
         self.restored += len(self._stored_at.take(hashes))
         self._stored_at.put(hashes, ts)
 
-    def remove(self, hashes: Sequence[Hash], ts: float, young_before: float) -> None:
+    def remove(
+        self, hashes: Sequence[Hash], ts: float, young_before: float, lower: Sequence[MediumBlocks] = ()
+    ) -> None:
         self.removed += len(hashes)
-        self.young += sum(1 for t in self._stored_at.take(hashes) if t > young_before)
+        keys, times = self._stored_at.take_keys(hashes)
+        self.young += sum(1 for t in times if t > young_before)
+        if lower and keys:  # only blocks whose store this stream saw: older ones cannot be judged
+            self.dropped += len(keys) - min(max(m.knows(keys) for m in lower), len(keys))
         self._removed_at.put(hashes, ts)
+
+    def knows(self, fps: Sequence[int]) -> int:
+        """How many of the hash fingerprints this medium holds or has removed (as far as it
+        remembers)."""
+        return self._stored_at.count(fps) + self._removed_at.count(fps)
+
+    def drop_all(self) -> None:
+        """AllBlocksCleared: what is resident is dropped on purpose, and counted."""
+        self.cleared += len(self._stored_at)
+        self.clear()
 
     def clear(self) -> None:
         self._stored_at.clear()
@@ -83,6 +107,9 @@ class MediumBlocks:
             removed_young=self.young,
             regretted=self.regretted,
             restored=self.restored,
+            cleared=self.cleared,
+            dropped=self.dropped,
+            resident=len(self._stored_at),
             regret_tokens=self.regret_tokens,
             regret_seconds=self.regret_seconds,
             regret_buckets=tuple(self._regret_le),

@@ -65,6 +65,11 @@ class HashMemory:
 
     def take(self, hashes: Sequence[Hash]) -> list[float]:
         """The times of the hashes held (each forgotten here), in no particular order."""
+        return self.take_keys(hashes)[1]
+
+    def take_keys(self, hashes: Sequence[Hash]) -> tuple[list[int], list[float]]:
+        """The fingerprints and times of the hashes held (each forgotten here)."""
+        keys: list[int] = []
         found: list[float] = []
         rest: list[int] = []
         opened = self._open
@@ -74,10 +79,27 @@ class HashMemory:
             if t is None:
                 rest.append(fp)
             else:
+                keys.append(fp)
                 found.append(t)
         if rest and self._sealed_live:
-            found += self._take_sealed(np.array(rest, dtype=np.uint64))
-        return found
+            k, t2 = self._take_sealed(np.array(rest, dtype=np.uint64))
+            keys += k
+            found += t2
+        return keys, found
+
+    def count(self, fps: Sequence[int]) -> int:
+        """How many of the fingerprints are held, without forgetting them."""
+        n, rest, opened = 0, [], self._open
+        for fp in fps:
+            if fp in opened:
+                n += 1
+            else:
+                rest.append(fp)
+        if rest and self._sealed_live:
+            want = np.array(rest, dtype=np.uint64)
+            idx = np.maximum(np.searchsorted(self._keys, want, side="right") - 1, 0)
+            n += int(np.count_nonzero((self._keys[idx] == want) & self._live[idx]))
+        return n
 
     def clear(self) -> None:
         self._open.clear()
@@ -85,7 +107,7 @@ class HashMemory:
         self._gens, self._live = self._gens[:0], self._live[:0]
         self._sealed_live = 0
 
-    def _take_sealed(self, fps: npt.NDArray[np.uint64]) -> list[float]:
+    def _take_sealed(self, fps: npt.NDArray[np.uint64]) -> tuple[list[int], list[float]]:
         # the newest entry of a fingerprint is the last of its run; an older one left live
         # beside it (put again without a take) is stale and goes with its generation
         idx = np.searchsorted(self._keys, fps, side="right") - 1
@@ -93,12 +115,13 @@ class HashMemory:
         hit = (self._keys[idx] == fps) & self._live[idx]
         where = idx[hit]
         if not len(where):
-            return []
+            return [], []
         where = np.unique(where)  # one hash twice in a call is taken once
         self._live[where] = False
         self._sealed_live -= len(where)
+        keys: list[int] = self._keys[where].tolist()
         found: list[float] = self._times[where].tolist()
-        return found
+        return keys, found
 
     def _seal(self) -> None:
         n = len(self._open)

@@ -300,11 +300,24 @@ class KVEventHub:
             if isinstance(ev, STORED):
                 self._medium(st, ev.medium).store(ev.block_hashes, ts, ev.block_size)
             elif isinstance(ev, REMOVED):
-                self._medium(st, ev.medium).remove(ev.block_hashes, ts, young_before)
+                name = ev.medium or DEFAULT_MEDIUM
+                lower = (
+                    [m for k, m in st.media.items() if k != DEFAULT_MEDIUM and m.stored]
+                    if name == DEFAULT_MEDIUM
+                    else []
+                )
+                self._medium(st, name).remove(ev.block_hashes, ts, young_before, lower)
             elif isinstance(ev, CLEARED):
                 st.cleared += 1
                 for m in st.media.values():
-                    m.clear()
+                    m.drop_all()
+
+    def _lower(self, st: _Stream, name: str | None) -> list[MediumBlocks]:
+        """For a GPU removal: the stream's other tiers that have stored blocks (the offload
+        targets the block should have reached)."""
+        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM:
+            return []
+        return [m for k, m in st.media.items() if k != DEFAULT_MEDIUM and m.stored]
 
     def _medium(self, st: _Stream, name: str | None) -> MediumBlocks:
         key = name or DEFAULT_MEDIUM

@@ -29,6 +29,9 @@ class MediumTotals:
     removed_young: int = 0  # removed within thrash_seconds of being stored
     regretted: int = 0  # stored again after a removal the stream still remembered
     restored: int = 0  # stored again while still resident (remembered)
+    cleared: int = 0  # resident when an AllBlocksCleared dropped them
+    dropped: int = 0  # removed (GPU) without a lower tier of the stream ever holding them
+    resident: int = 0  # held now, as far as the store-time memory knows
     regret_tokens: int = 0  # block_size x each of those blocks: the recomputation implied
     regret_seconds: float = 0.0  # summed time from removal to the store again
     regret_buckets: tuple[int, ...] = (0,) * (len(REGRET_BUCKETS) + 1)  # per bucket, the last +Inf
@@ -42,12 +45,26 @@ class MediumTotals:
             self.removed_young + o.removed_young,
             self.regretted + o.regretted,
             self.restored + o.restored,
+            self.cleared + o.cleared,
+            self.dropped + o.dropped,
+            self.resident + o.resident,
             self.regret_tokens + o.regret_tokens,
             self.regret_seconds + o.regret_seconds,
             tuple(a + b for a, b in zip(self.regret_buckets, o.regret_buckets, strict=True)),
             self.stores_forgotten + o.stores_forgotten,
             self.removals_forgotten + o.removals_forgotten,
         )
+
+
+LOST_BYTES = "kv_lost_bytes:"  # + tier:cause: the loss ledger's bytes as a series of the owning process
+
+
+@dataclass(frozen=True, slots=True)
+class LossTotal:
+    """One (tier, cause) row of an engine's KV loss ledger, cumulative."""
+
+    blocks: int  # 0 for a disk tier (bytes of page cache, not blocks)
+    bytes: float | None  # None while the engine's block size is not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +169,9 @@ class EngineView:
     scrape_age: float | None  # seconds since the last good scrape
     hit_ratio: float | None  # prefix-cache hits / queries over the rate window (tokens)
     regret_ratio: Mapping[str, float] = field(default_factory=dict)  # medium -> regretted / removed, same window
+    losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause) -> cumulative
+    block_bytes: int | None = None  # bytes of one KV block, where known
+    block_bytes_source: str = ""  # config / offload
 
     @property
     def media(self) -> dict[str, MediumTotals]:

@@ -21,6 +21,7 @@ from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.engines.records import (
     EnginePlan,
+    EngineSample,
     EngineView,
     ScrapeTarget,
     StreamSpec,
@@ -166,6 +167,17 @@ class EngineTaps:
         return plan
 
     # --- per tick -----------------------------------------------------------------------------
+    def tapped(self, t: Tracked) -> bool:
+        p = self._planned.get(t.key)
+        return p is not None and p.plan is not None
+
+    def sample_of(self, owner: str) -> EngineSample | None:
+        st = self._scrape_of(owner)
+        return st.last if st is not None else None
+
+    def streams_of(self, owner: str) -> list[StreamStats]:
+        return self._streams_of(owner)
+
     def _streams_of(self, owner: str) -> list[StreamStats]:
         return [s for spec, s in self._stats.items() if spec.owner == owner]
 

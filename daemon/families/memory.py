@@ -170,6 +170,10 @@ class MemoryFamily:
         if not event.sibling_of:
             self.tracker.on_exit(ev.victim_pid)
 
+    def pending_oom_events(self) -> tuple[OomEvent, ...]:
+        """The kills since the detectors last took them, left in place."""
+        return tuple(self._pending_oom)
+
     def take_oom_events(self) -> list[OomEvent]:
         out, self._pending_oom = self._pending_oom, []
         return out

@@ -10,6 +10,11 @@
   ``vllm serve`` console script) serves hot prefixes from its cache, then running
   requests take 95 % of its KV pool: cached prefixes are evicted and the prefix-hit
   ratio collapses → KVEvictionBurst cause=pressure.
+* prefix-cache: the simulated vLLM's prefix cache breaks while it serves shared
+  prefixes: its lookups all miss and it stores the same blocks again →
+  KVPrefixCacheIneffective cause=not_hit.
+* preemption-livelock: the simulated vLLM keeps preempting requests while the tokens
+  it generates per second fall to a fortieth → KVPreemptionLivelock.
 * oom: a pretend engine in a small cgroup allocates until the OOM killer takes
   it → InferenceProcessOOMKilled.
 
@@ -39,6 +44,15 @@ DEMO_RULES = [
     {"engine": "demo", "cmdline": workload_pattern("engine", "oom", "cuda", "xferstub")},
     {"engine": "demo", "cmdline": workload_pattern("initiator", module="nixl_peer")},
 ]
+SCENARIOS = (
+    "host-tier",
+    "reuse-collapse",
+    "transfer-collapse",
+    "eviction-burst",
+    "prefix-cache",
+    "preemption-livelock",
+    "oom",
+)
 KV_FILES, KV_FILE_MB = 32, 16
 CGROUP_MB, SQUEEZE_MB = 768, 640
 
@@ -60,6 +74,12 @@ def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     )
     data["engines"]["scrape_interval_seconds"] = 1.0
     data["detectors"]["eviction_burst"].update(warmup_seconds=0.0, baseline_min_seconds=4.0, window_seconds=3.0)
+    data["detectors"]["prefix_cache_ineffective"].update(
+        warmup_seconds=0.0, window_seconds=2.0, min_queried_tokens=500.0, min_stored_blocks=20.0, confirm_windows=1
+    )
+    data["detectors"]["preemption_livelock"].update(
+        warmup_seconds=0.0, baseline_min_seconds=3.0, window_seconds=2.0, confirm_windows=1
+    )
     return Config.model_validate(data)
 
 
@@ -269,19 +289,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scenario_eviction_burst(get: Callable[[], Snapshot], work: Path) -> bool:
+def _tapped(sim: SimulatedEngineProcess) -> Callable[[Snapshot], bool]:
+    def tapped(s: Snapshot) -> bool:
+        return any(
+            p.pid == sim.pid and p.engine and any(x.connected for x in p.engine.streams) and p.engine.scrape
+            for p in s.processes
+        )
+
+    return tapped
+
+
+def _simulated_vllm(work: Path, get: Callable[[], Snapshot]) -> SimulatedEngineProcess | None:
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{_free_port()}"}
-    with SimulatedEngineProcess(work / "bin", http_port=_free_port(), kv_events=kv, capacity=2000) as sim:
+    sim = SimulatedEngineProcess(work / "bin", http_port=_free_port(), kv_events=kv, capacity=2000)
+    if not _wait_for(get, _tapped(sim), 15):
+        _say("the simulated vLLM's KV event stream was not tapped")
+        sim.close()
+        return None
+    return sim
 
-        def tapped(s: Snapshot) -> bool:
-            return any(
-                p.pid == sim.pid and p.engine and any(x.connected for x in p.engine.streams) and p.engine.scrape
-                for p in s.processes
-            )
 
-        if not _wait_for(get, tapped, 15):
-            _say("the simulated vLLM's KV event stream was not tapped")
-            return False
+def scenario_eviction_burst(get: Callable[[], Snapshot], work: Path) -> bool:
+    sim = _simulated_vllm(work, get)
+    if sim is None:
+        return False
+    with sim:
         _say(f"simulated vLLM pid {sim.pid} tapped (KV events + /metrics); serving 40 req/s from 100 hot prefixes")
         sim.do("traffic 40 100 8 0")
         time.sleep(9)
@@ -290,6 +322,40 @@ def scenario_eviction_burst(get: Callable[[], Snapshot], work: Path) -> bool:
         sim.do("active 1900")
         ok = _wait_for(get, _firing("KVEvictionBurst"), 20)
         _report("KVEvictionBurst", get, ok, t0)
+        return ok
+
+
+def scenario_prefix_cache(get: Callable[[], Snapshot], work: Path) -> bool:
+    sim = _simulated_vllm(work, get)
+    if sim is None:
+        return False
+    with sim:
+        _say(f"simulated vLLM pid {sim.pid}: 20 req/s sharing 10 prefixes, served from its prefix cache")
+        sim.do("traffic 20 10 4 0")
+        time.sleep(5)
+        _say("its prefix cache breaks: every lookup misses, the same blocks are stored again")
+        t0 = time.monotonic()
+        sim.do("broken 1")
+        ok = _wait_for(get, _firing("KVPrefixCacheIneffective"), 20)
+        _report("KVPrefixCacheIneffective", get, ok, t0)
+        return ok
+
+
+def scenario_preemption_livelock(get: Callable[[], Snapshot], work: Path) -> bool:
+    sim = _simulated_vllm(work, get)
+    if sim is None:
+        return False
+    with sim:
+        _say(f"simulated vLLM pid {sim.pid}: generating 2000 tokens/s without preemption")
+        sim.do("traffic 20 250 8 0")
+        sim.do("decode 2000")
+        time.sleep(6)
+        _say("it now preempts 5 requests/s and generates 50 tokens/s")
+        t0 = time.monotonic()
+        sim.do("preempting 5")
+        sim.do("decode 50")
+        ok = _wait_for(get, _firing("KVPreemptionLivelock"), 20)
+        _report("KVPreemptionLivelock", get, ok, t0)
         return ok
 
 
@@ -335,7 +401,7 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
             return 1
         host, port = daemon.server.address
         _say(f"daemon up: http://{host}:{port}/metrics (ready={get().ready})")
-        scenarios = args.scenario or ["host-tier", "reuse-collapse", "transfer-collapse", "eviction-burst", "oom"]
+        scenarios = args.scenario or list(SCENARIOS)
         try:
             if "host-tier" in scenarios:
                 results["host-tier"] = scenario_host_tier(get, work)
@@ -347,8 +413,13 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
                 collapse = scenario_reuse_collapse(get, work)
                 if collapse is not None:
                     results["reuse-collapse"] = collapse
-            if "eviction-burst" in scenarios:
-                results["eviction-burst"] = scenario_eviction_burst(get, work)
+            for name, run in (
+                ("eviction-burst", scenario_eviction_burst),
+                ("prefix-cache", scenario_prefix_cache),
+                ("preemption-livelock", scenario_preemption_livelock),
+            ):
+                if name in scenarios:
+                    results[name] = run(get, work)
             if "oom" in scenarios:
                 results["oom"] = scenario_oom(get)
         except CgroupUnavailable as err:

@@ -87,6 +87,7 @@ def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[
         "preempt": lambda n: sim.preempt(int(n[0])),
         "decode": lambda n: setattr(traffic, "decode", n[0]),
         "preempting": lambda n: setattr(traffic, "preempting", n[0]),
+        "broken": lambda n: setattr(sim.pool, "broken", bool(n[0])),
         "sleep": lambda n: sim.sleep(int(n[0])) if int(n[0]) else sim.wake_up(),
         "lose": lambda n: pub.lose(int(n[0])),
         "forget": lambda n: pub.forget(int(n[0])),

@@ -283,6 +283,21 @@ ROWS: list[tuple[str, list[Graph]]] = [
                     (quantile(0.99, "kvwatch_kv_regret_seconds", "pid, medium"), "p99 s {{pid}} {{medium}}"),
                 ],
             ),
+            Graph(
+                "Why did the hit rate drop: KV lost by tier and cause",
+                "Bps",
+                [
+                    (rate("kvwatch_kv_lost_bytes_total", "engine, tier, cause"), "{{engine}} {{tier}} {{cause}}"),
+                ],
+            ),
+            Graph(
+                "KV blocks lost /s by tier and cause, block size",
+                "short",
+                [
+                    (rate("kvwatch_kv_lost_blocks_total", "engine, tier, cause"), "{{engine}} {{tier}} {{cause}}"),
+                    (total("kvwatch_kv_block_bytes", f"{BY_PROC}, source"), "{{pid}} bytes/block ({{source}})"),
+                ],
+            ),
             Graph("KV cache resets", "short", [(increase("kvwatch_kv_cache_resets_total", BY_PROC), "{{pid}}")]),
             Graph(
                 "Event streams",

@@ -33,6 +33,7 @@ from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.privileged.helpers import DaemonProcess, daemon, free_port, wait_until
 from tests.tools.vllm_run_fixtures import uncompact
+from tests.unit.test_kv_ledger import REAL_BLOCK_BYTES
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "vllm_run" / "pressure.json.gz"
 ONSET_WITHIN = 15.0  # seconds after the pressure phase began (the real run: 3.1 s)
@@ -123,6 +124,21 @@ def regrets(batches: list[list[Any]]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def check_ledger(d: DaemonProcess, pid: str, totals: dict[str, Any]) -> None:
+    """The loss ledger closes on the stream: every removal in one (tier, cause) row, none dropped
+    (each GPU block the window saw stored reached the CPU tier: test_kv_ledger.py computes it),
+    priced at the model's block size learnt from vLLM's offload counter."""
+    rows = {
+        (lab["tier"], lab["cause"]): v for lab, v in d.metrics()["kvwatch_kv_lost_blocks_total"] if lab["pid"] == pid
+    }
+    gpu = rows.get(("gpu", "evicted"), 0) + rows.get(("gpu", "preempted"), 0)
+    assert gpu == totals["removed"]["GPU"] and rows[("cpu", "evicted")] == totals["removed"]["CPU"], rows
+    assert ("cpu", "offload_dropped") not in rows, rows
+    assert d.value("kvwatch_kv_block_bytes", pid=pid, source="offload") == REAL_BLOCK_BYTES
+    for (tier, cause), blocks in rows.items():
+        assert d.value("kvwatch_kv_lost_bytes_total", pid=pid, tier=tier, cause=cause) == blocks * REAL_BLOCK_BYTES
+
+
 def replay(pub: WirePublisher, batches: list[list[Any]], t0: float, watch: Any) -> None:
     next_watch = t0
     for at, _seq, ts, _rank, groups in batches:  # one data-parallel rank (0) in the run
@@ -211,6 +227,7 @@ def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_pat
                 assert d.value("kvwatch_kv_regret_recomputed_tokens_total", pid=pid, medium=medium) == tokens
             lost = dict((lab["source"], v) for lab, v in d.metrics()["kvwatch_events_lost_total"])
             assert lost["kv_removals_forgotten"] == 0  # every removal remembered: none of the regrets missed
+            check_ledger(d, pid, totals)
             onsets = _onsets(d)
     finally:
         pub.close()

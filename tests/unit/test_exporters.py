@@ -19,6 +19,7 @@ from kvwatch.daemon.engines.records import (
     EnginePlan,
     EngineSample,
     EngineView,
+    LossTotal,
     MediumTotals,
     ScrapeTarget,
     StreamSpec,
@@ -121,7 +122,20 @@ def engine_view() -> EngineView:
         scrape_age=2.0,
         hit_ratio=0.25,
         regret_ratio={"GPU": 0.125},
+        block_bytes=524_288,
+        block_bytes_source="offload",
     )
+
+
+# the ledger of process 4242: 23 GPU blocks evicted, 7 while preempting, 5 never offloaded,
+# 3 MiB of its disk tier reclaimed; 2 blocks of an unknown size lost on a third tier
+LOSSES = {
+    ("gpu", "evicted"): LossTotal(23, 23 * 524_288.0),
+    ("gpu", "preempted"): LossTotal(7, 7 * 524_288.0),
+    ("cpu", "offload_dropped"): LossTotal(5, 5 * 524_288.0),
+    ("disk", "reclaim"): LossTotal(0, 3 * 2.0**20),
+    ("other", "cleared"): LossTotal(2, None),
+}
 
 
 def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
@@ -185,6 +199,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                     effective_bytes_per_second=4.2e9,
                 ),
                 engine=engine_view(),
+                kv_losses=LOSSES,
             ),
             ProcessView(
                 key="4243@78",

@@ -90,6 +90,8 @@ def snapshot() -> Snapshot:
             "xfer_bytes": 512 * MIB,
             "kv_removed_blocks:GPU": 40.0,
             "kv_removed_blocks:CPU": 2.0,
+            "kv_lost_bytes:gpu:evicted": 20 * MIB,  # the loss ledger: 21 MiB/s, most of it evicted from the GPU
+            "kv_lost_bytes:cpu:offload_dropped": MIB,
         },
         cuda=cuda(23 * 20 * MIB, 4 * MIB),
         transfers=xfer(1024 * MIB),
@@ -155,10 +157,11 @@ def test_rows_from_the_snapshot() -> None:
     assert a.stall_ms_per_s == pytest.approx(12.5)
     assert a.xfer_bps == 512 * MIB and a.xfer_effective_bps == 1024 * MIB and a.link_pct == pytest.approx(25.0)
     assert a.kv_removed_per_s == 42.0 and a.regret_pct == 50.0
+    assert a.lost_bps == 21 * MIB and a.lost_cause == "gpu:evicted"
     assert a.alerts == ("KVHostTierEvictionUnderPressure",)
     b = r[202]
     assert b.outstanding_device is None and b.evict_reclaim_bps == 0 and b.kv_removed_per_s is None
-    assert b.regret_pct is None
+    assert b.regret_pct is None and b.lost_bps is None and b.lost_cause == ""
     assert b.link_pct is None
     h = frame.header
     assert h.processes == 2 and h.alloc_per_s == 38  # the exited process is not counted
@@ -196,10 +199,12 @@ def test_plain_frame_exact() -> None:
     assert head[:4] == ["PID", "ENGINE/ROLE", "POD/CONTAINER", "GPU"]
     assert lines[5].split() == [
         "101", "vllm/prefill", "ns/vllm-0", "8192.0", "37", "74.0", "36", "460.0", "4.0", "2311",
-        "3.0", "1.0", "12.5", "512.0", "1024.0", "25%", "42", "50%", "KVHostTierEvictionUnderPressure",
+        "3.0", "1.0", "12.5", "512.0", "1024.0", "25%", "42", "50%", "21.0", "gpu:evicted",
+        "KVHostTierEvictionUnderPressure",
     ]  # fmt: skip
     assert lines[6].split() == [
         "202", "sglang", "-", "-", "1", "0.0", "0", "-", "-", "0", "0.0", "0.0", "0", "0.0", "-", "-", "-", "-", "-",
+        "-", "-",
     ]  # fmt: skip
     assert "303" not in "\n".join(lines)  # exited
     assert lines[-2].startswith("WARNING  KVHostTierEvictionUnderPressure (x) pid 101 since ")

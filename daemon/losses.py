@@ -1,0 +1,70 @@
+"""Filling the KV loss ledger (``engines/ledger.py``) once a tick: from each tapped engine's
+streams and counters, the KV tiers' page cache, and the OOM kills of engine processes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvwatch.daemon.detectors.view import OomEvent
+from kvwatch.daemon.engines.ledger import LossLedger
+from kvwatch.daemon.engines.records import LOST_BYTES, MediumTotals
+from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.families.memory import MemoryFamily
+from kvwatch.daemon.tracker import Tracked
+
+
+def preempt_window(scrape_interval: float) -> float:
+    """How recently the engine's preemption counter must have risen for its GPU evictions to
+    count as preemption's: a scrape or two, the counter being read every scrape_interval."""
+    return max(5.0, 2.5 * scrape_interval)
+
+
+def account_losses(
+    ledger: LossLedger,
+    taps: EngineTaps | None,
+    memory: MemoryFamily,
+    tracked: Sequence[Tracked],
+    *,
+    oom: Sequence[OomEvent],
+    now: float,
+) -> None:
+    if taps is not None:
+        _engines(ledger, taps, tracked, oom)
+    _tiers(ledger, memory)
+    for t in tracked:
+        led = ledger.engines.get(t.key)
+        if led is not None:
+            values = {f"{LOST_BYTES}{tier}:{cause}": r.bytes for (tier, cause), r in led.totals().items()}
+            t.series.add(now, {k: v for k, v in values.items() if v is not None})
+
+
+def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked], oom: Sequence[OomEvent]) -> None:
+    window = preempt_window(taps.config.scrape_interval_seconds)
+    for t in tracked:
+        if taps.tapped(t):
+            preempting = t.series.delta("engine_preemptions", window) > 0
+            ledger.of(t.key).streams(taps.streams_of(t.key), taps.sample_of(t.key), preempting)
+    alive = {t.pid: t for t in tracked if t.exited_at is None}
+    by_key = {t.key: t for t in tracked}
+    for ev in oom:
+        victim = by_key.get(ev.subject.key) if not ev.sibling_of else None  # a sibling held no KV
+        owner = taps.family_owner(victim, alive) if victim is not None else None
+        if owner is not None:
+            media: dict[str, MediumTotals] = {}
+            for s in taps.streams_of(owner):
+                for name, m in s.media.items():
+                    media[name] = media.get(name, MediumTotals()) + m
+            ledger.of(owner).oom(media)
+
+
+def _tiers(ledger: LossLedger, memory: MemoryFamily) -> None:
+    """A disk tier's losses go to the first process it belongs to; one owned by none is only
+    in the tier's own families (kvwatch_kv_tier_evicted_bytes_total)."""
+    if memory.tiers is None:
+        return
+    for tier in memory.tiers.tiers.values():
+        series = memory.tier_series.get(tier.tier_id)
+        owners = memory.tier_owners(tier)
+        if series is None or not owners:
+            continue
+        ledger.of(owners[0].key).tier(tier.tier_id, series.last("reclaim_bytes"), series.last("policy_bytes"))

@@ -1,0 +1,163 @@
+"""The KV loss ledger: blocks and bytes each tier lost, by cause, counted exactly.
+
+Scripted streams over the wire for what the stream itself shows (evictions, offloads the engine
+dropped, resets), the ledger for what the loop joins to it (preemption, OOM kills, disk tiers,
+the block size), and the real vLLM run's stream against a set computation.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from kvwatch.daemon.engines import wire as w
+from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.kv_events import KVEventHub
+from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, EngineLedger
+from kvwatch.daemon.engines.records import EngineSample, LossTotal, MediumTotals, StreamSpec, StreamStats
+
+from tests.privileged.helpers import wait_until
+from tests.tools.vllm_run_fixtures import uncompact
+from tests.unit.test_kv_events import one_stream, stats_of
+
+BS = 16
+REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"
+# the real run's model: 16 layers, 8 KV heads of 64, bf16, K and V, 16 tokens a block
+REAL_BLOCK_BYTES = 2 * 16 * 8 * 64 * 2 * 16
+
+
+def ledger_script() -> list[tuple[float, list[dict[str, Any]]]]:
+    """GPU blocks 100..104 evicted before any offload (not judged); then 53 GPU blocks of which
+    29 reach the CPU tier and 7 of those leave it; 42 GPU blocks evicted, 13 of them never
+    offloaded; then a reset with 11 GPU and 22 CPU blocks resident."""
+    return [
+        (1000.0, [w.stored(list(range(100, 105)), [], block_size=BS)]),
+        (1001.0, [w.removed(list(range(100, 105)))]),
+        (1002.0, [w.stored(list(range(53)), [], block_size=BS)]),
+        (1003.0, [w.stored(list(range(29)), [], medium="CPU", block_size=0)]),
+        (1004.0, [w.removed(list(range(7)), medium="CPU")]),
+        (1005.0, [w.removed(list(range(42)))]),
+        (1006.0, [w.cleared()]),
+    ]
+
+
+def test_stream_counts_evicted_dropped_and_cleared(hub: KVEventHub) -> None:
+    with one_stream(hub) as (spec, pub):
+        script = ledger_script()
+        for ts, events in script:
+            pub.publish(events, ts=ts)
+        assert pub.flush()
+        wait_until(lambda: stats_of(hub, spec).batches == len(script), 10, "every batch")
+        media = stats_of(hub, spec).media
+    gpu, cpu = media["GPU"], media["CPU"]
+    assert (gpu.removed, gpu.dropped, gpu.cleared, gpu.resident) == (5 + 42, 13, 11, 0)
+    assert (cpu.removed, cpu.dropped, cpu.cleared, cpu.resident) == (7, 0, 22, 0)
+
+
+def test_blocks_resident_and_known_below() -> None:
+    gpu, cpu = MediumBlocks(1000, 1000), MediumBlocks(1000, 1000)
+    gpu.store(list(range(23)), 0.0, BS)
+    cpu.store(list(range(0, 23, 2)), 0.5, 0)  # 12 of the 23 offloaded
+    gpu.remove(list(range(23)), 1.0, 0.0, [cpu])
+    gpu.remove([999], 1.0, 0.0, [cpu])  # never seen stored: not judged
+    t = gpu.totals()
+    assert (t.removed, t.dropped, t.resident) == (24, 11, 0)
+    assert cpu.totals().resident == 12
+
+
+def stream(gpu: MediumTotals, cpu: MediumTotals | None = None) -> StreamStats:
+    media = {"GPU": gpu} if cpu is None else {"GPU": gpu, "CPU": cpu}
+    return StreamStats(
+        StreamSpec("tcp://127.0.0.1:5557"), True, 1, 1, media, 0, 0, 0, 0, 0, {}, 0, 0, None, 0.0, 0.0, 0
+    )
+
+
+def test_ledger_splits_preemption_prices_late_and_keeps_disk_bytes() -> None:
+    led = EngineLedger()
+    led.streams([stream(MediumTotals(100, 23))], None, preempting=False)
+    led.streams([stream(MediumTotals(150, 23 + 7))], None, preempting=True)  # 7 while preempting
+    led.streams([stream(MediumTotals(150, 30, dropped=3), MediumTotals(40, 2, cleared=5))], None, preempting=False)
+    led.tier(1, reclaim_bytes=3 * 4096, policy_bytes=0)
+    led.tier(1, reclaim_bytes=5 * 4096, policy_bytes=4096)
+    t = led.totals()
+    assert t[("gpu", "evicted")] == LossTotal(23, None)  # no block size yet
+    assert t[("gpu", "preempted")] == LossTotal(7, None)
+    assert t[("cpu", "offload_dropped")] == LossTotal(3, None)
+    assert t[("cpu", "evicted")] == LossTotal(2, None) and t[("cpu", "cleared")] == LossTotal(5, None)
+    assert t[("disk", "reclaim")] == LossTotal(0, 5 * 4096) and t[("disk", "evicted")] == LossTotal(0, 4096)
+    # the engine's offload counter, read every scrape while the stream's CPU blocks run ahead
+    # of the copies (the ratio is far off), always a multiple of 512 KiB: 2931 and 2950 blocks
+    # are coprime, and five more changes leave the divisor alone
+    gpu = MediumTotals(150, 30, dropped=3)
+    copied = (2931, 2950, 2972, 2972, 2997, 3101, 3150, 3198)
+    for i, blocks_copied in enumerate(copied):
+        assert led.block_bytes.value is None
+        more = stream(gpu, MediumTotals(40 + 100 * i, 2, cleared=5))
+        led.streams([more], sample(blocks_copied * 524_288.0, at=float(i)), False)
+    t = led.totals()
+    assert (led.block_bytes.value, led.block_bytes.source) == (524_288, "offload")
+    assert t[("gpu", "evicted")] == LossTotal(23, 23 * 524_288)  # priced once known
+    assert t[("gpu", "preempted")] == LossTotal(7, 7 * 524_288)
+    assert t[("disk", "reclaim")] == LossTotal(0, 5 * 4096)
+
+
+def test_block_size_from_the_ratio_when_no_divisor_fits() -> None:
+    """An engine whose bytes are not whole blocks: the ratio over everything, after
+    FALLBACK_SCRAPES scrapes; a scrape read twice is one."""
+    led = EngineLedger()
+    for i in range(FALLBACK_SCRAPES):
+        assert led.block_bytes.value is None
+        cpu = MediumTotals(100 * i, 0)
+        for _ in range(2):
+            led.streams([stream(MediumTotals(0, 0), cpu)], sample(1e9 + i * 100 * 524_300 + i, at=i), False)
+    assert (led.block_bytes.value, led.block_bytes.source) == (524_300, "offload_ratio")
+
+
+def sample(store_bytes: float, at: float = 0.0) -> EngineSample:
+    return EngineSample(at=at, offload_store_bytes=store_bytes)
+
+
+def test_ledger_oom_takes_what_was_resident_and_config_prices() -> None:
+    led = EngineLedger(configured_block_bytes=1 << 20)
+    led.oom({"GPU": MediumTotals(resident=23), "CPU": MediumTotals(resident=11)})
+    led.streams([stream(MediumTotals(0, 0), MediumTotals(1000, 0))], sample(5e9), False)
+    assert led.block_bytes.source == "config"  # the engine's counter does not override config
+    assert led.totals() == {("cpu", "oom"): LossTotal(11, 11 << 20), ("gpu", "oom"): LossTotal(23, 23 << 20)}
+
+
+def test_real_run_ledger_against_a_set_computation() -> None:
+    """vLLM 0.26.0's stream (hot, pressure, hot again; OffloadingConnector): every GPU block the
+    window saw stored reached the CPU tier, so none was dropped; the engine's offload bytes over
+    its CPU blocks announced are the model's block size."""
+    with gzip.open(REAL_RUN, "rt") as f:
+        run = json.load(f)
+    gpu, cpu = MediumBlocks(1_000_000, 524_288), MediumBlocks(1_000_000, 524_288)
+    on_cpu: set[int] = set()
+    stored_gpu: set[int] = set()
+    expected_dropped = 0
+    for _at, _seq, ts, _rank, groups in run["batches"]:
+        for kind, medium, bs, ids in uncompact(groups):
+            if kind == "S":
+                (cpu if medium == "CPU" else gpu).store(ids, ts, bs or 0)
+                (on_cpu if medium == "CPU" else stored_gpu).update(ids)
+            elif kind == "R" and medium == "CPU":
+                cpu.remove(ids, ts, ts - 10)
+            elif kind == "R":
+                expected_dropped += sum(1 for h in ids if h in stored_gpu and on_cpu and h not in on_cpu)
+                gpu.remove(ids, ts, ts - 10, [cpu] if cpu.stored else [])
+    assert gpu.totals().removed == run["totals"]["removed"]["GPU"]
+    assert gpu.totals().dropped == expected_dropped == 0
+    # the block size, learnt from the /metrics pages and the CPU blocks announced between them
+    led = EngineLedger()
+    cpu_stored, batches = 0, iter(run["batches"])
+    pending = next(batches)
+    for at, page in run["pages"]:
+        while pending is not None and pending[0] <= at:
+            cpu_stored += sum(len(ids) for k, m, _bs, ids in uncompact(pending[4]) if k == "S" and m == "CPU")
+            pending = next(batches, None)
+        m = re.search(r"^vllm:kv_offload_store_bytes_total\{[^}]*\} (\S+)$", page, re.M)
+        led.block_bytes.observe(at, float(m.group(1)) if m else None, cpu_stored)
+    assert (led.block_bytes.value, led.block_bytes.source) == (REAL_BLOCK_BYTES, "offload")
