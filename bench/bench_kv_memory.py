@@ -9,7 +9,12 @@ over), and every 50th store brings back a block removed a while ago (a regret). 
 from /proc/self/statm as the stream goes; the memories fill and then stay put, so the
 growth after they are full is the number that matters.
 
-    .venv/bin/python bench/bench_kv_memory.py [--seconds 600] [--out FILE]
+    .venv/bin/python bench/bench_kv_memory.py [--seconds 600] [--offload] [--out FILE]
+
+``--offload`` models vLLM with its OffloadingConnector: the same rate of blocks announced,
+half of them GPU stores and half the CPU tier's stores of the same blocks (a CPU pool four
+times the GPU's, evicting its oldest), each GPU removal checked against the CPU tier (the
+loss ledger's offload drops): two media's memories in one stream.
 
 ``--seconds`` is stream time at 1M blocks/s; the run takes as long as this process needs to
 account that many blocks (it reports its own blocks/s of CPU, too).
@@ -22,15 +27,16 @@ import gc
 import os
 import platform
 import time
-from collections import deque
 from pathlib import Path
 
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.records import MediumTotals
 
 RATE = 1_000_000  # blocks per second of stream
 STEP = 32  # blocks stored (and removed) per event
 POOL = 65_536  # resident blocks (a GPU pool's worth)
+BACK_AFTER = 100_000  # removals before a regretted block comes back
 
 
 def rss_mib() -> float:
@@ -38,57 +44,78 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run(seconds: float, samples: int) -> tuple[list[tuple[float, float, float]], dict[str, int], float, float]:
+def run(
+    seconds: float, samples: int, offload: bool = False
+) -> tuple[list[tuple[float, float, float]], dict[str, int], float, float]:
     cfg = EnginesConfig()
     m = MediumBlocks(cfg.max_tracked_blocks, cfg.regret_memory_blocks)
-    resident: deque[int] = deque()
-    removed_recent: deque[int] = deque(maxlen=200_000)
+    cpu_m = MediumBlocks(cfg.max_tracked_blocks, cfg.regret_memory_blocks) if offload else None
+    lower = [cpu_m] if cpu_m is not None else []
+    # hashes are consecutive integers: the resident pools are windows [nxt - pool, nxt), so the
+    # benchmark itself holds nothing per block and the RSS growth is the accounting's alone
     nxt = 1 << 62
+    first = nxt
     total = int(seconds * RATE)
-    steps = total // STEP
+    per_step = STEP * (2 if offload else 1)  # with a CPU tier, each step announces 2 x STEP
+    steps = total // per_step
     every = max(steps // samples, 1)
     gc.collect()
     base = rss_mib()
     curve = []
     cpu0, t0 = time.process_time(), time.perf_counter()
     for i in range(steps):
-        ts = i * STEP / RATE
+        ts = i * per_step / RATE
         new = list(range(nxt, nxt + STEP))
         nxt += STEP
-        if i % 50 == 0 and len(removed_recent) > 100_000:
-            new[0] = removed_recent[0]  # a block removed ~100,000 removals ago comes back
+        back = nxt - POOL - BACK_AFTER
+        if i % 50 == 0 and back > first:
+            new[0] = back  # a block removed ~100,000 removals ago comes back
         m.store(new, ts, 16)
-        resident.extend(new)
-        if len(resident) > POOL:
-            gone = [resident.popleft() for _ in range(STEP)]
-            m.remove(gone, ts, ts - 10.0)
-            removed_recent.extend(gone)
+        if cpu_m is not None:
+            cpu_m.store(new, ts, 0)
+            if nxt - first > 4 * POOL:
+                lo = nxt - 4 * POOL - STEP
+                cpu_m.remove(list(range(lo, lo + STEP)), ts, ts - 10.0)
+        if nxt - first > POOL:
+            lo = nxt - POOL - STEP
+            m.remove(list(range(lo, lo + STEP)), ts, ts - 10.0, lower)
         if i % every == 0 or i == steps - 1:
-            curve.append((ts, rss_mib() - base, m.remembered))
+            remembered = m.remembered + (cpu_m.remembered if cpu_m is not None else 0)
+            curve.append((ts, rss_mib() - base, remembered))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-    t = m.totals()
+    t = m.totals() + (cpu_m.totals() if cpu_m is not None else MediumTotals())
     totals = {
         "stored": t.stored,
         "removed": t.removed,
         "regretted": t.regretted,
+        "dropped": t.dropped,
         "stores_forgotten": t.stores_forgotten,
         "removals_forgotten": t.removals_forgotten,
     }
     return curve, totals, cpu, wall
 
 
-def report(seconds: float, curve: list[tuple[float, float, float]], totals: dict[str, int], cpu: float) -> str:
+def report(
+    seconds: float, curve: list[tuple[float, float, float]], totals: dict[str, int], cpu: float, offload: bool
+) -> str:
     cfg = EnginesConfig()
+    media = (
+        f"two media (GPU, and a CPU tier of {4 * POOL:,} blocks storing each GPU block; every GPU removal "
+        "checked against it)"
+        if offload
+        else "one medium"
+    )
     lines = [
-        "# KV event accounting memory under a 1M blocks/s stream",
+        "# KV event accounting memory under a 1M blocks/s stream" + (" (GPU + CPU tier)" if offload else ""),
         "",
         f"Host: {platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, "
         f"Python {platform.python_version()}.",
         f"Defaults: max_tracked_blocks {cfg.max_tracked_blocks:,}, regret_memory_blocks "
-        f"{cfg.regret_memory_blocks:,}; one stream, one medium; {STEP} blocks stored and {STEP} removed per "
+        f"{cfg.regret_memory_blocks:,}; one stream, {media}; {STEP} blocks stored and {STEP} removed per "
         f"event, a pool of {POOL:,} resident blocks, every 50th store a block removed ~100,000 removals ago.",
         f"Stream time {seconds:.0f} s at {RATE:,} blocks/s: {totals['stored']:,} blocks stored, "
-        f"{totals['removed']:,} removed, {totals['regretted']:,} regretted; forgotten: "
+        f"{totals['removed']:,} removed, {totals['regretted']:,} regretted, {totals['dropped']:,} offloads dropped; "
+        f"forgotten: "
         f"{totals['stores_forgotten']:,} store times, {totals['removals_forgotten']:,} removals.",
         f"Accounting CPU: {cpu:.1f} s, {totals['stored'] / cpu / 1e6:.2f} M stored blocks per CPU second "
         "(each also removed once), this process alone (no decoding).",
@@ -106,10 +133,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=600.0)
     ap.add_argument("--samples", type=int, default=12)
+    ap.add_argument("--offload", action="store_true", help="a CPU tier beside the GPU pool")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    curve, totals, cpu, _wall = run(a.seconds, a.samples)
-    text = report(a.seconds, curve, totals, cpu)
+    curve, totals, cpu, _wall = run(a.seconds, a.samples, a.offload)
+    text = report(a.seconds, curve, totals, cpu, a.offload)
     print(text)
     if a.out:
         a.out.write_text(text)

@@ -2,7 +2,7 @@
 
 A Python dict costs about 100 bytes per block hash (the key object, the float, the slot),
 so a million remembered blocks would be 100 MB per stream and medium. Here the newest
-entries sit in a dict (one sixteenth of the capacity at most); when it fills it is sealed:
+entries sit in a dict (one sixteenth of the capacity, 16,384 at most); when it fills it is sealed:
 merged into numpy arrays sorted by hash fingerprint, beside each entry's time, the seal it
 came in (its generation) and a live flag (21 bytes an entry). Each seal drops the entries
 taken since the last; when the live ones would exceed the capacity the oldest generations
@@ -24,7 +24,8 @@ import numpy.typing as npt
 from kvwatch.daemon.engines.wire import Hash
 
 MASK64 = (1 << 64) - 1
-GENERATIONS = 16  # the dict holds at most capacity / GENERATIONS entries
+GENERATIONS = 16  # the dict holds at most capacity / GENERATIONS entries,
+OPEN_MAX = 16_384  # and at most this many: a dict entry costs ~100 bytes, a sealed one 21
 
 
 def fingerprint(h: Hash) -> int:
@@ -36,7 +37,7 @@ def fingerprint(h: Hash) -> int:
 class HashMemory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.open_limit = max(capacity // GENERATIONS, 1)
+        self.open_limit = max(min(capacity // GENERATIONS, OPEN_MAX), 1)
         self._open: dict[int, float] = {}
         # sealed entries, sorted by fingerprint (older before newer among equal ones)
         self._keys: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)

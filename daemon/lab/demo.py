@@ -72,10 +72,10 @@ def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     data["detectors"]["transfer_collapse"].update(
         warmup_seconds=0.0, baseline_min_seconds=3.0, window_seconds=3.0, min_transfers=10, peer_grace_seconds=1.0
     )
-    data["engines"]["scrape_interval_seconds"] = 1.0
+    data["engines"]["scrape_interval_seconds"] = 0.5
     data["detectors"]["eviction_burst"].update(warmup_seconds=0.0, baseline_min_seconds=4.0, window_seconds=3.0)
     data["detectors"]["prefix_cache_ineffective"].update(
-        warmup_seconds=0.0, window_seconds=2.0, min_queried_tokens=500.0, min_stored_blocks=20.0, confirm_windows=1
+        warmup_seconds=0.0, window_seconds=1.5, min_queried_tokens=500.0, min_stored_blocks=20.0, confirm_windows=1
     )
     data["detectors"]["preemption_livelock"].update(
         warmup_seconds=0.0, baseline_min_seconds=3.0, window_seconds=2.0, confirm_windows=1

@@ -16,7 +16,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?part NN | unpack NN | first | second | cost}
+step=${1:?part NN | unpack NN | first | second | cost | noprefix}
 
 with_bcc() {
     if [ -e /opt/kvbcc/.done ]; then  # unpacked by an earlier call on this machine
@@ -41,7 +41,7 @@ case "$step" in
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         df -h /tmp | tail -1
         ;;
-    first | second | cost)
+    first | second | cost | noprefix)
         if [ ! -e /tmp/site/.done ]; then
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
             touch /tmp/site/.done

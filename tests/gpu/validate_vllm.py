@@ -80,10 +80,10 @@ from tests.gpu.vllm_harness import (
 )
 from tests.gpu.vllm_load import PREEMPT, PRESSURE, STEADY, Load, summary
 
-FULL = {"steady": 75, "warm_after_start": 170, "pressure": 45, "hot": 30, "recover": 45, "preempt": 40,
+FULL = {"noprefix": 120, "steady": 75, "warm_after_start": 170, "pressure": 45, "hot": 30, "recover": 45, "preempt": 40,
         "recover2": 40, "before_reset": 10, "after_reset": 35, "asleep": 8, "after_wake": 35,
         "round_settle": 15, "round_warm": 4, "round_steady": 12, "round_pressure": 12}  # fmt: skip
-QUICK = {"steady": 30, "warm_after_start": 30, "pressure": 15, "hot": 12, "recover": 25, "preempt": 15,
+QUICK = {"noprefix": 30, "steady": 30, "warm_after_start": 30, "pressure": 15, "hot": 12, "recover": 25, "preempt": 15,
          "recover2": 25, "before_reset": 5, "after_reset": 15, "asleep": 3, "after_wake": 15,
          "round_settle": 3, "round_warm": 2, "round_steady": 4, "round_pressure": 4}  # fmt: skip
 # The tiny model's KV pool is 1 GiB (2,048 blocks) on a 141 GB GPU: below the default 10 % that
@@ -117,7 +117,7 @@ class Run:
 
     # --- processes ------------------------------------------------------------------------------
     def start_kvwatch(self, st: State) -> None:
-        pid = start_session(kvwatch_argv(sets=self.sets), WORK / "kvwatch.log", cwd=WORK)
+        pid = start_session(kvwatch_argv(sets=self.sets), WORK / "kvwatch.log", cwd=WORK)  # appends
         st.pids["kvwatch"] = pid
         took = wait_until(kvwatch_ready, 120, "kvwatch /readyz")
         st.mark("kvwatch_ready", pid=pid, seconds=round(took, 1))
@@ -275,6 +275,8 @@ def plan_first(r: Run) -> State:
         r.phase(st, "recover2", STEADY, t["recover2"])
     finally:
         r.stop_pollers()
+        r.results["alerts_1"] = checks.alerts(WORK / "kvwatch.log")
+        r.results["ledger_1"] = checks.ledger(kvwatch_samples(), str(st.pids["vllm"]))
         r.dump_requests("requests_1.jsonl.gz")
         r.save("validation_1.json", st)
         r.pack_logs("logs_1.tar.gz")
@@ -363,6 +365,60 @@ def plan_second(r: Run, st: State) -> None:
     r.pack_logs("logs_2.tar.gz")
 
 
+NOPREFIX_SETS = (  # KVPrefixCacheIneffective judged within the call: a 20 s window after 20 s
+    "detectors.prefix_cache_ineffective.warmup_seconds=20",
+    "detectors.prefix_cache_ineffective.window_seconds=20",
+    "detectors.prefix_cache_ineffective.min_queried_tokens=5000",
+)
+
+
+def plan_noprefix(r: Run, st: State) -> None:
+    """A call after the first, instead of the second: vLLM restarted with
+    --no-enable-prefix-caching under the shared-prefix load. Do its KV events still flow, and
+    does KVPrefixCacheIneffective see an engine that never hits? kvwatch restarted with a short
+    window for that detector; the subscriber keeps running (it reconnects)."""
+    stop(st.pids.get("vllm", 0), 60)
+    stop(st.pids.get("kvwatch", 0), 30)
+    sub = WORK / "subscriber" / "subscriber_counts.json"
+    before = json.loads(sub.read_text()) if sub.exists() else {}
+    st.mark("noprefix_begin", subscriber=before)
+    r.sets = (*r.sets, *NOPREFIX_SETS)
+    r.start_kvwatch(st)
+    env = engine_env(r.args.vllm_site if r.args.engine == "vllm" else None)
+    if r.args.engine == "sim":
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    argv = vllm_argv(r.args.engine, r.args.model, False, prefix_caching=False)
+    st.pids["vllm"] = start_session(argv, WORK / "vllm_noprefix.log", env=env)
+    st.mark("vllm_start", pid=st.pids["vllm"], prefix_caching=False)
+    wait_until(lambda: vllm_healthy() or not alive(st.pids["vllm"]), 330, "vLLM /health")
+    st.mark("vllm_ready")
+    r.find_engine_core(st)
+    r.wait_tapped(st)
+    r.start_pollers("_np")
+    try:
+        r.phase(st, "noprefix", STEADY, min(r.t["noprefix"], r.left() - 40))
+        time.sleep(3.0)
+    finally:
+        r.stop_pollers()
+    api = str(st.pids["vllm"])
+    kv = kvwatch_samples()
+    after = json.loads(sub.read_text()) if sub.exists() else {}
+    r.results["noprefix"] = {
+        "subscriber_before": before,
+        "subscriber_after": after,
+        "kvwatch_stored": {m: value(kv, "kvwatch_kv_blocks_stored_total", pid=api, medium=m) for m in ("GPU", "CPU")},
+        "kvwatch_restored": value(kv, "kvwatch_kv_blocks_restored_total", pid=api, medium="GPU"),
+        "ledger": checks.ledger(kv, api),
+        "alerts": [a for a in checks.alerts(WORK / "kvwatch.log") if a["onset"] >= st.at("noprefix_begin")["wall"]],
+        "phase": checks.engine_snapshot(api),
+    }
+    stop(st.pids["vllm"], 60)
+    for name in ("kvwatch", "subscriber"):
+        stop(st.pids.get(name, 0), 30)
+    r.save("validation_np.json", st)
+    r.pack_logs("logs_np.tar.gz", (WORK / "vllm_noprefix.log",))
+
+
 def plan_cost(r: Run, st: State) -> None:
     """The third call: vLLM still runs; kvwatch is started and stopped round by round."""
     try:
@@ -425,7 +481,7 @@ def cost(r: Run, st: State) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", choices=["first", "second", "cost", "all"], required=True)
+    ap.add_argument("--plan", choices=["first", "second", "cost", "noprefix", "all"], required=True)
     ap.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
     ap.add_argument("--vllm-site", default="/tmp/vsite")
     ap.add_argument("--model", default="/tmp/tiny")
@@ -436,7 +492,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     # fresh unique prompts in each call: an earlier call's would hit what it left cached
-    args.seed += {"second": 1, "cost": 2}.get(args.plan, 0)
+    args.seed += {"second": 1, "cost": 2, "noprefix": 3}.get(args.plan, 0)
     r = Run(args)
     if args.plan in ("first", "all"):
         st = plan_first(r)
@@ -446,6 +502,9 @@ def main() -> None:
             first = WORK / "validation_1.json"
             r.results = json.loads(first.read_text()) if first.exists() else {}
         plan_second(r, st)
+    if args.plan == "noprefix":
+        st = State.load()
+        plan_noprefix(r, st)
     if args.plan in ("cost", "all"):
         if args.plan == "cost":
             st = State.load()

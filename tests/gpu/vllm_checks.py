@@ -122,6 +122,23 @@ def _wall(ts: str) -> float:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
 
+def ledger(kv: list[Sample], api: str) -> dict[str, Any]:
+    """kvwatch's loss ledger for the engine: blocks and bytes per tier:cause, the block size."""
+    out: dict[str, Any] = {}
+    for name, key in (("kvwatch_kv_lost_blocks_total", "blocks"), ("kvwatch_kv_lost_bytes_total", "bytes")):
+        for n, labels, v in kv:
+            if n == name and labels.get("pid") == api:
+                out.setdefault(f"{labels['tier']}:{labels['cause']}", {})[key] = v
+    sizes = {
+        labels.get("source", ""): v for n, labels, v in kv if n == "kvwatch_kv_block_bytes" and labels.get("pid") == api
+    }
+    return {"rows": out, "block_bytes": sizes}
+
+
+def alerts(log: Path) -> list[dict[str, Any]]:
+    return _alerts(log)
+
+
 def _alerts(log: Path) -> list[dict[str, Any]]:
     """Onsets with their clears: alert, subject, pid, medium, cause, onset / clear wall time, values."""
     out = []
@@ -239,6 +256,7 @@ def engine_snapshot(api: str) -> dict[str, Any]:
             "queries": value(vl, "vllm:prefix_cache_queries_total"),
             "hits": value(vl, "vllm:prefix_cache_hits_total"),
             "store_bytes": value(vl, "vllm:kv_offload_store_bytes_total"),
+            "generation_tokens": value(vl, "vllm:generation_tokens_total"),
         }
     except OSError:
         pass
@@ -250,6 +268,8 @@ def engine_snapshot(api: str) -> dict[str, Any]:
             "preemptions": value(kv, "kvwatch_engine_preemptions_total", pid=api),
             "queries": value(kv, "kvwatch_engine_prefix_cache_queried_tokens_total", pid=api, medium="GPU"),
             "hits": value(kv, "kvwatch_engine_prefix_cache_hit_tokens_total", pid=api, medium="GPU"),
+            "generation_tokens": value(kv, "kvwatch_engine_generation_tokens_total", pid=api),
+            "ledger": ledger(kv, api),
         }
     except OSError:
         pass

@@ -220,10 +220,11 @@ def log_events(path: Path, event: str) -> list[dict[str, Any]]:
     return out
 
 
-def vllm_argv(engine: str, model: str, sleep_mode: bool) -> list[str]:
+def vllm_argv(engine: str, model: str, sleep_mode: bool, prefix_caching: bool = True) -> list[str]:
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_PORT}", "topic": TOPIC}
     common = [
-        "serve", model, "--load-format", "dummy", "--served-model-name", "tiny", "--enable-prefix-caching",
+        "serve", model, "--load-format", "dummy", "--served-model-name", "tiny",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--block-size", "16", "--num-gpu-blocks-override", "2048", "--max-model-len", "2048",
         "--max-num-seqs", "32", "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0",
         "--kv-events-config", json.dumps(kv, separators=(",", ":")),
@@ -324,6 +325,10 @@ KVWATCH_KEEP = (
     "kvwatch_engine_",
     "kvwatch_watched_processes",
     "kvwatch_events_lost_total",
+    "kvwatch_kv_lost_",
+    "kvwatch_kv_block_bytes",
+    "kvwatch_kv_blocks_regretted_total",
+    "kvwatch_kv_blocks_restored_total",
 )
 
 

@@ -289,9 +289,8 @@ def test_doctor_json_all_canaries_pass() -> None:
 
 
 def test_demo_fires_every_alert() -> None:
-    t0 = time.monotonic()
     out = subprocess.run(
-        [*KVWATCH, "demo", "--log-format", "json"], capture_output=True, text=True, timeout=150, check=False
+        [*KVWATCH, "demo", "--log-format", "json"], capture_output=True, text=True, timeout=300, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "ALERT KVHostTierEvictionUnderPressure" in out.stdout
@@ -299,4 +298,5 @@ def test_demo_fires_every_alert() -> None:
     assert "ALERT KVCacheReuseCollapse cause=empty_cache" in out.stdout
     assert "ALERT KVTransferBandwidthCollapse cause=bandwidth" in out.stdout
     assert "ALERT KVEvictionBurst cause=pressure" in out.stdout
-    assert time.monotonic() - t0 < 110
+    assert "ALERT KVPrefixCacheIneffective cause=not_hit" in out.stdout
+    assert "ALERT KVPreemptionLivelock cause=livelock" in out.stdout
