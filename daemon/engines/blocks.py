@@ -18,21 +18,34 @@ need not mean what they meant before. The blocks a reset drops (those resident) 
 A GPU removal of a block that no lower tier of the same stream holds or has removed is an
 offload the engine dropped: the block left the GPU without ever reaching the tier below
 (``dropped``, counted on the GPU medium; only once that tier has stored something, and only
-for blocks whose store the stream saw).
+for blocks whose store the stream saw; judged OFFLOAD_SETTLE_SECONDS after the removal, the
+tier's announcement of a store in flight may come after it). Only blocks an engine offloads are judged: vLLM's
+connector offloads a request's prompt, never the blocks it generates (``offload_prompt_only``,
+its default), and a generated block is stored alone, after its parent. A block stored alone
+after a parent is marked (its stored and removed times kept negative, so that the mark
+outlives a removal and a store again) and not judged; so is a prompt's single new block after
+a cached prefix, which the stream cannot tell from a generated one.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Sequence
+from math import copysign
 
-from kvwatch.daemon.engines.hashmem import HashMemory
+from kvwatch.daemon.engines.hashmem import HashMemory, fingerprint
 from kvwatch.daemon.engines.records import REGRET_BUCKETS, MediumTotals
 from kvwatch.daemon.engines.wire import Hash
+
+OFFLOAD_SETTLE_SECONDS = 5.0  # engine time a GPU removal waits for its offload's announcement
+MAX_PENDING = 1 << 16  # removals waiting; past it the oldest are judged at once
 
 
 class MediumBlocks:
     __slots__ = (
+        "_pending",
+        "_pending_n",
         "_regret_le",
         "_removed_at",
         "_stored_at",
@@ -57,23 +70,68 @@ class MediumBlocks:
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
         self._removed_at = HashMemory(max_removed)  # capacity 0: no regret accounting
+        self._pending: deque[tuple[float, list[int]]] = deque()  # GPU removals not offloaded yet
+        self._pending_n = 0
 
-    def store(self, hashes: Sequence[Hash], ts: float, block_size: int) -> None:
+    def store(self, hashes: Sequence[Hash], ts: float, block_size: int, alone: bool = False) -> None:
+        """``alone``: stored by itself after a parent block (a generated block, as like as not).
+        A block once stored alone keeps that mark when the engine stores it again (a preempted
+        request computing its generated blocks again in one go)."""
         self.stored += len(hashes)
-        for gone in self._removed_at.take(hashes):
-            self._regret(max(ts - gone, 0.0), block_size)
-        self.restored += len(self._stored_at.take(hashes))
-        self._stored_at.put(hashes, ts)
+        marked: set[int] = set()
+        fps, gone = self._removed_at.take_keys(hashes)
+        for fp, t in zip(fps, gone, strict=True):
+            self._regret(max(ts - abs(t), 0.0), block_size)
+            if copysign(1.0, t) < 0:
+                marked.add(fp)
+        fps, held = self._stored_at.take_keys(hashes)
+        self.restored += len(fps)
+        marked.update(fp for fp, t in zip(fps, held, strict=True) if copysign(1.0, t) < 0)
+        self._put(self._stored_at, hashes, ts, alone, marked)
+
+    @staticmethod
+    def _put(memory: HashMemory, hashes: Sequence[Hash], ts: float, alone: bool, marked: set[int]) -> None:
+        """Times of blocks stored alone (or marked so before) kept negative."""
+        if alone or not marked:
+            memory.put(hashes, -ts if alone else ts)
+            return
+        fps = [fingerprint(h) for h in hashes]
+        memory.put_keys([f for f in fps if f not in marked], ts)
+        memory.put_keys([f for f in fps if f in marked], -ts)
 
     def remove(
         self, hashes: Sequence[Hash], ts: float, young_before: float, lower: Sequence[MediumBlocks] = ()
     ) -> None:
         self.removed += len(hashes)
         keys, times = self._stored_at.take_keys(hashes)
-        self.young += sum(1 for t in times if t > young_before)
-        if lower and keys:  # only blocks whose store this stream saw: older ones cannot be judged
-            self.dropped += len(keys) - min(max(m.knows(keys) for m in lower), len(keys))
-        self._removed_at.put(hashes, ts)
+        self.young += sum(1 for t in times if abs(t) > young_before)
+        alone = {k for k, t in zip(keys, times, strict=True) if copysign(1.0, t) < 0}
+        # only blocks whose store the stream saw (older ones cannot be judged), and not alone
+        judged = [k for k in keys if k not in alone] if lower else []
+        if judged:
+            self._pending.append((ts, judged))
+            self._pending_n += len(judged)
+            if self._pending_n > MAX_PENDING:
+                self.settle(float("inf"), lower)
+        fps = [fingerprint(h) for h in hashes]
+        seen = set(keys)
+        again = [f for f in fps if f not in seen]  # removed before without a store between
+        if again:  # (one hash in two physical blocks): the mark of the first removal stays
+            rk, rt = self._removed_at.take_keys(again)
+            alone.update(k for k, t in zip(rk, rt, strict=True) if copysign(1.0, t) < 0)
+        self._removed_at.put_keys([f for f in fps if f not in alone], ts)
+        if alone:
+            self._removed_at.put_keys([f for f in fps if f in alone], -ts)
+
+    def settle(self, ts: float, lower: Sequence[MediumBlocks]) -> None:
+        """Judge the GPU removals older than OFFLOAD_SETTLE_SECONDS: those no lower tier holds
+        or removed by now were dropped. The offload's announcement may follow the removal (a
+        request preempted with its store in flight), hence the wait."""
+        while self._pending and self._pending[0][0] <= ts - OFFLOAD_SETTLE_SECONDS:
+            _, fps = self._pending.popleft()
+            self._pending_n -= len(fps)
+            known = max((m.knows(fps) for m in lower), default=0)
+            self.dropped += len(fps) - min(known, len(fps))
 
     def knows(self, fps: Sequence[int]) -> int:
         """How many of the hash fingerprints this medium holds or has removed (as far as it
@@ -86,6 +144,8 @@ class MediumBlocks:
         self.clear()
 
     def clear(self) -> None:
+        self._pending.clear()
+        self._pending_n = 0
         self._stored_at.clear()
         self._removed_at.clear()
 

@@ -53,11 +53,13 @@ class HashMemory:
         return len(self._open) + self._sealed_live
 
     def put(self, hashes: Sequence[Hash], at: float) -> None:
+        self.put_keys([fingerprint(h) for h in hashes], at)
+
+    def put_keys(self, fps: Sequence[int], at: float) -> None:
         if self.capacity <= 0:
             return
         opened, limit = self._open, self.open_limit
-        for h in hashes:
-            fp = fingerprint(h)
+        for fp in fps:
             opened.pop(fp, None)
             opened[fp] = at
             if len(opened) >= limit:

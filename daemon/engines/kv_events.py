@@ -298,7 +298,8 @@ class KVEventHub:
         young_before = ts - self.thrash_seconds
         for ev in batch.events:
             if isinstance(ev, STORED):
-                self._medium(st, ev.medium).store(ev.block_hashes, ts, ev.block_size)
+                alone = len(ev.block_hashes) == 1 and ev.parent_block_hash is not None
+                self._medium(st, ev.medium).store(ev.block_hashes, ts, ev.block_size, alone)
             elif isinstance(ev, REMOVED):
                 name = ev.medium or DEFAULT_MEDIUM
                 lower = (
@@ -309,8 +310,15 @@ class KVEventHub:
                 self._medium(st, name).remove(ev.block_hashes, ts, young_before, lower)
             elif isinstance(ev, CLEARED):
                 st.cleared += 1
+                self._settle(st, float("inf"))  # what waits is judged before the memories go
                 for m in st.media.values():
                     m.drop_all()
+        self._settle(st, ts)
+
+    def _settle(self, st: _Stream, ts: float) -> None:
+        gpu = st.media.get(DEFAULT_MEDIUM)
+        if gpu is not None:
+            gpu.settle(ts, self._lower(st, DEFAULT_MEDIUM))
 
     def _lower(self, st: _Stream, name: str | None) -> list[MediumBlocks]:
         """For a GPU removal: the stream's other tiers that have stored blocks (the offload

@@ -51,7 +51,7 @@ class WireError(ValueError):
 # --- decoding structs (ours): only what kvwatch counts is materialised -------------------------
 class _AStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     block_hashes: list[Hash]
-    parent_block_hash: msgspec.Raw
+    parent_block_hash: Hash | None
     token_ids: msgspec.Raw
     block_size: int
     lora_id: msgspec.Raw
@@ -69,6 +69,7 @@ class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=Fals
 
 class _MStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
     block_size: int = 0
     medium: str | None = None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.engines import wire as w
-from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, EngineLedger
 from kvwatch.daemon.engines.records import EngineSample, LossTotal, MediumTotals, StreamSpec, StreamStats
@@ -31,15 +31,20 @@ REAL_BLOCK_BYTES = 2 * 16 * 8 * 64 * 2 * 16
 
 def ledger_script() -> list[tuple[float, list[dict[str, Any]]]]:
     """GPU blocks 100..104 evicted before any offload (not judged); then 53 GPU blocks of which
-    29 reach the CPU tier and 7 of those leave it; 42 GPU blocks evicted, 13 of them never
-    offloaded; then a reset with 11 GPU and 22 CPU blocks resident."""
+    29 reach the CPU tier and 7 of those leave it, and 3 blocks generated after them (stored one
+    at a time after a parent: an engine offloads prompts only); 42 + 3 GPU blocks evicted, 13
+    of them prompt blocks never offloaded; then a reset with 11 GPU and 22 CPU blocks resident."""
+    generated = [
+        (1002.5 + i / 10, [w.stored([200 + i], [], parent=199 + i if i else 52, block_size=BS)]) for i in range(3)
+    ]
     return [
         (1000.0, [w.stored(list(range(100, 105)), [], block_size=BS)]),
         (1001.0, [w.removed(list(range(100, 105)))]),
         (1002.0, [w.stored(list(range(53)), [], block_size=BS)]),
+        *generated,
         (1003.0, [w.stored(list(range(29)), [], medium="CPU", block_size=0)]),
         (1004.0, [w.removed(list(range(7)), medium="CPU")]),
-        (1005.0, [w.removed(list(range(42)))]),
+        (1005.0, [w.removed([*range(42), 200, 201, 202])]),
         (1006.0, [w.cleared()]),
     ]
 
@@ -53,7 +58,7 @@ def test_stream_counts_evicted_dropped_and_cleared(hub: KVEventHub) -> None:
         wait_until(lambda: stats_of(hub, spec).batches == len(script), 10, "every batch")
         media = stats_of(hub, spec).media
     gpu, cpu = media["GPU"], media["CPU"]
-    assert (gpu.removed, gpu.dropped, gpu.cleared, gpu.resident) == (5 + 42, 13, 11, 0)
+    assert (gpu.removed, gpu.dropped, gpu.cleared, gpu.resident) == (5 + 42 + 3, 13, 11, 0)
     assert (cpu.removed, cpu.dropped, cpu.cleared, cpu.resident) == (7, 0, 22, 0)
 
 
@@ -63,8 +68,13 @@ def test_blocks_resident_and_known_below() -> None:
     cpu.store(list(range(0, 23, 2)), 0.5, 0)  # 12 of the 23 offloaded
     gpu.remove(list(range(23)), 1.0, 0.0, [cpu])
     gpu.remove([999], 1.0, 0.0, [cpu])  # never seen stored: not judged
+    gpu.store([500], 0.0, BS, alone=True)  # a generated block: not offloaded, not judged
+    gpu.remove([500], 1.0, 0.0, [cpu])
+    gpu.settle(1.0 + OFFLOAD_SETTLE_SECONDS - 0.1, [cpu])
+    assert gpu.totals().dropped == 0  # judged only once the offload had time to be announced
+    gpu.settle(1.0 + OFFLOAD_SETTLE_SECONDS, [cpu])
     t = gpu.totals()
-    assert (t.removed, t.dropped, t.resident) == (24, 11, 0)
+    assert (t.removed, t.dropped, t.resident) == (25, 11, 0)
     assert cpu.totals().resident == 12
 
 
@@ -161,3 +171,32 @@ def test_real_run_ledger_against_a_set_computation() -> None:
         m = re.search(r"^vllm:kv_offload_store_bytes_total\{[^}]*\} (\S+)$", page, re.M)
         led.block_bytes.observe(at, float(m.group(1)) if m else None, cpu_stored)
     assert (led.block_bytes.value, led.block_bytes.source) == (REAL_BLOCK_BYTES, "offload")
+
+
+def test_a_generated_block_stays_unjudged_when_computed_again() -> None:
+    """A preempted request computes its prompt and generated blocks again in one event: the
+    generated ones keep their mark (never offloaded by design), a new prompt block does not."""
+    gpu, cpu = MediumBlocks(1000, 1000), MediumBlocks(1000, 1000)
+    gpu.store([1, 2, 3], 0.0, BS)
+    cpu.store([1, 2, 3], 0.1, 0)
+    for i, h in enumerate((7, 8)):
+        gpu.store([h], 1.0 + i, BS, alone=True)
+    gpu.remove([1, 2, 3, 7, 8], 5.0, 0.0, [cpu])  # preempted, evicted
+    gpu.store([1, 2, 3, 7, 8, 9], 6.0, BS)  # computed again; 9 a prompt block never offloaded
+    gpu.remove([1, 2, 3, 7, 8, 9], 9.0, 0.0, [cpu])
+    gpu.settle(100.0, [cpu])
+    t = gpu.totals()
+    assert (t.regretted, t.dropped, t.removed_young) == (5, 1, 2 + 6)  # young: stored after 0.0, abs() of a mark
+
+
+def test_an_offload_announced_after_the_removal_is_no_drop() -> None:
+    """A preempted request's blocks leave the GPU while their copy to the CPU tier is in flight:
+    the tier announces them a moment later. Judged after OFFLOAD_SETTLE_SECONDS, none dropped;
+    a block whose copy never comes is."""
+    gpu, cpu = MediumBlocks(1000, 1000), MediumBlocks(1000, 1000)
+    gpu.store([1, 2, 3, 4, 5, 6, 7], 0.0, BS)
+    cpu.store([9], 0.0, 0)
+    gpu.remove([1, 2, 3, 4, 5, 6, 7], 1.0, 0.0, [cpu])
+    cpu.store([1, 2, 3, 4, 5, 6], 1.5, 0)  # 7 never comes
+    gpu.settle(1.0 + OFFLOAD_SETTLE_SECONDS, [cpu])
+    assert gpu.totals().dropped == 1
