@@ -21,13 +21,24 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "performance.md"
 
-ORDER = ("memory", "cuda", "transfer", "kv_events", "kv_memory", "daemon_load", "detection", "soak")
+ORDER = (
+    "memory",
+    "cuda",
+    "transfer",
+    "kv_events",
+    "kv_memory",
+    "kv_memory_offload",
+    "daemon_load",
+    "detection",
+    "soak",
+)
 TITLES = {
     "memory": "Kernel-memory probes (bench/bench_memory.py)",
     "cuda": "CUDA allocation probes (bench/bench_cuda.py)",
     "transfer": "KV-transfer probes (bench/bench_transfer.py)",
     "kv_events": "Engine KV event subscriber (bench/bench_kv_events.py)",
     "kv_memory": "KV event accounting memory at 1M blocks/s (bench/bench_kv_memory.py)",
+    "kv_memory_offload": "KV event accounting memory at 1M blocks/s, GPU and CPU tier (bench/bench_kv_memory.py --offload)",
     "daemon_load": "The daemon at idle and under load (bench/bench_daemon_load.py)",
     "detection": "Detection latency (bench/bench_detection.py)",
     "soak": "Soak, 30 minutes (bench/soak.py; not run by bench/run.sh)",
@@ -130,6 +141,12 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
         ("daemon CPU, ~10k CUDA calls/s", f"{cell(load, 'CUDA', 1)} % of a core", "—"),
         ("daemon RSS", f"{cell(load, 'idle', 2)} MiB idle, {cell(load, '1,000,000', 2)} MiB loaded", "—"),
     ]
+    for name, what in (("kv_memory", "one medium"), ("kv_memory_offload", "GPU + CPU tier")):
+        m = re.search(r"^Stream time (\S+) s.*?Peak RSS growth: ([0-9.]+) MiB", res.get(name, ""), re.M | re.S)
+        if m:
+            out.append(
+                (f"KV accounting RSS growth, 1M blocks/s for {m.group(1)} s, {what}", f"{m.group(2)} MiB", "< 64 MiB")
+            )
     for r in det:
         if r and r[0].startswith(("KV", "Inference")):
             out.append((f"alert after onset: {r[0]}", f"{r[2]} (demo settings)", "≤ 3 s"))

@@ -16,7 +16,7 @@ from kvwatch.daemon.config_load import ConfigError, load_config
 from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.top import SORT_KEYS
 
-# the lab's demo.SCENARIOS, named here so that parsing the command line loads no lab code
+# `kvwatch demo --scenario`, in the order the demo runs them (lab/demo.py)
 DEMO_SCENARIOS = (
     "host-tier",
     "reuse-collapse",

@@ -52,7 +52,8 @@ class BlockBytes:
     stream blocks scheduled (on the real vLLM run the ratio stayed up to 77 % under the block
     size through a pressure phase, while the divisor was exact from the sixth scrape). It is
     the fallback for an engine whose bytes have no usable divisor (under ``MIN_DIVISOR``),
-    after ``FALLBACK_SCRAPES`` scrapes.
+    after ``FALLBACK_SCRAPES`` scrapes; a usable divisor not yet settled is waited for (on the
+    real run a steady engine offloads seldom, and the ratio priced the first blocks wrong).
     """
 
     def __init__(self, configured: int = 0) -> None:
@@ -81,7 +82,7 @@ class BlockBytes:
             self.value, self.source = self._gcd, "offload"
             return
         nbytes, blocks = offload_store_bytes - self._origin[0], cpu_blocks_stored - self._origin[1]
-        if self._scrapes >= FALLBACK_SCRAPES and blocks >= MIN_LEARN_BLOCKS and nbytes > 0:
+        if self._gcd < MIN_DIVISOR and self._scrapes >= FALLBACK_SCRAPES and blocks >= MIN_LEARN_BLOCKS and nbytes > 0:
             self.value, self.source = round(nbytes / blocks), "offload_ratio"
 
 

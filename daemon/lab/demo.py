@@ -29,8 +29,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvwatch.daemon.cli import DEMO_SCENARIOS
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
@@ -44,15 +46,6 @@ DEMO_RULES = [
     {"engine": "demo", "cmdline": workload_pattern("engine", "oom", "cuda", "xferstub")},
     {"engine": "demo", "cmdline": workload_pattern("initiator", module="nixl_peer")},
 ]
-SCENARIOS = (
-    "host-tier",
-    "reuse-collapse",
-    "transfer-collapse",
-    "eviction-burst",
-    "prefix-cache",
-    "preemption-livelock",
-    "oom",
-)
 KV_FILES, KV_FILE_MB = 32, 16
 CGROUP_MB, SQUEEZE_MB = 768, 640
 
@@ -309,53 +302,61 @@ def _simulated_vllm(work: Path, get: Callable[[], Snapshot]) -> SimulatedEngineP
     return sim
 
 
-def scenario_eviction_burst(get: Callable[[], Snapshot], work: Path) -> bool:
+@dataclass(frozen=True)
+class SimScenario:
+    """A failure of the simulated vLLM: calm load for ``calm_seconds``, then the onset."""
+
+    alert: str
+    calm: str  # what the engine does first
+    calm_commands: tuple[str, ...]
+    calm_seconds: float
+    onset: str  # what goes wrong
+    onset_commands: tuple[str, ...]
+
+
+SIM_SCENARIOS = {
+    "eviction-burst": SimScenario(
+        "KVEvictionBurst",
+        "serving 40 req/s from 100 hot prefixes",
+        ("traffic 40 100 8 0",),
+        9,
+        "running requests now hold 95 % of the KV pool: the cached prefixes must go",
+        ("active 1900",),
+    ),
+    "prefix-cache": SimScenario(
+        "KVPrefixCacheIneffective",
+        "20 req/s sharing 10 prefixes, served from its prefix cache",
+        ("traffic 20 10 4 0",),
+        5,
+        "its prefix cache breaks: every lookup misses, the same blocks are stored again",
+        ("broken 1",),
+    ),
+    "preemption-livelock": SimScenario(
+        "KVPreemptionLivelock",
+        "generating 2000 tokens/s without preemption",
+        ("traffic 20 250 8 0", "decode 2000"),
+        6,
+        "it now preempts 5 requests/s and generates 50 tokens/s",
+        ("preempting 5", "decode 50"),
+    ),
+}
+
+
+def scenario_simulated_vllm(get: Callable[[], Snapshot], work: Path, sc: SimScenario) -> bool:
     sim = _simulated_vllm(work, get)
     if sim is None:
         return False
     with sim:
-        _say(f"simulated vLLM pid {sim.pid} tapped (KV events + /metrics); serving 40 req/s from 100 hot prefixes")
-        sim.do("traffic 40 100 8 0")
-        time.sleep(9)
-        _say("running requests now hold 95 % of the KV pool: the cached prefixes must go")
+        _say(f"simulated vLLM pid {sim.pid} tapped (KV events + /metrics); {sc.calm}")
+        for cmd in sc.calm_commands:
+            sim.do(cmd)
+        time.sleep(sc.calm_seconds)
+        _say(sc.onset)
         t0 = time.monotonic()
-        sim.do("active 1900")
-        ok = _wait_for(get, _firing("KVEvictionBurst"), 20)
-        _report("KVEvictionBurst", get, ok, t0)
-        return ok
-
-
-def scenario_prefix_cache(get: Callable[[], Snapshot], work: Path) -> bool:
-    sim = _simulated_vllm(work, get)
-    if sim is None:
-        return False
-    with sim:
-        _say(f"simulated vLLM pid {sim.pid}: 20 req/s sharing 10 prefixes, served from its prefix cache")
-        sim.do("traffic 20 10 4 0")
-        time.sleep(5)
-        _say("its prefix cache breaks: every lookup misses, the same blocks are stored again")
-        t0 = time.monotonic()
-        sim.do("broken 1")
-        ok = _wait_for(get, _firing("KVPrefixCacheIneffective"), 20)
-        _report("KVPrefixCacheIneffective", get, ok, t0)
-        return ok
-
-
-def scenario_preemption_livelock(get: Callable[[], Snapshot], work: Path) -> bool:
-    sim = _simulated_vllm(work, get)
-    if sim is None:
-        return False
-    with sim:
-        _say(f"simulated vLLM pid {sim.pid}: generating 2000 tokens/s without preemption")
-        sim.do("traffic 20 250 8 0")
-        sim.do("decode 2000")
-        time.sleep(6)
-        _say("it now preempts 5 requests/s and generates 50 tokens/s")
-        t0 = time.monotonic()
-        sim.do("preempting 5")
-        sim.do("decode 50")
-        ok = _wait_for(get, _firing("KVPreemptionLivelock"), 20)
-        _report("KVPreemptionLivelock", get, ok, t0)
+        for cmd in sc.onset_commands:
+            sim.do(cmd)
+        ok = _wait_for(get, _firing(sc.alert), 20)
+        _report(sc.alert, get, ok, t0)
         return ok
 
 
@@ -401,7 +402,7 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
             return 1
         host, port = daemon.server.address
         _say(f"daemon up: http://{host}:{port}/metrics (ready={get().ready})")
-        scenarios = args.scenario or list(SCENARIOS)
+        scenarios = args.scenario or list(DEMO_SCENARIOS)
         try:
             if "host-tier" in scenarios:
                 results["host-tier"] = scenario_host_tier(get, work)
@@ -413,13 +414,9 @@ def run_demo(base: Config, args: argparse.Namespace) -> int:
                 collapse = scenario_reuse_collapse(get, work)
                 if collapse is not None:
                     results["reuse-collapse"] = collapse
-            for name, run in (
-                ("eviction-burst", scenario_eviction_burst),
-                ("prefix-cache", scenario_prefix_cache),
-                ("preemption-livelock", scenario_preemption_livelock),
-            ):
+            for name, sc in SIM_SCENARIOS.items():
                 if name in scenarios:
-                    results[name] = run(get, work)
+                    results[name] = scenario_simulated_vllm(get, work, sc)
             if "oom" in scenarios:
                 results["oom"] = scenario_oom(get)
         except CgroupUnavailable as err:

@@ -130,11 +130,3 @@ def test_cli_config_error_exit_code(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_example_config_is_valid_and_shows_the_defaults() -> None:
     example = Path(__file__).parents[2] / "deploy" / "kvwatch.example.toml"
     assert load_config(example, environ={}, default_path=None) == load_config(environ={}, default_path=None)
-
-
-def test_demo_scenarios_named_alike() -> None:
-    """The command line names the demo's scenarios without loading the lab: the same list."""
-    from kvwatch.daemon.cli import DEMO_SCENARIOS
-    from kvwatch.daemon.lab.demo import SCENARIOS
-
-    assert DEMO_SCENARIOS == SCENARIOS

@@ -200,3 +200,17 @@ def test_an_offload_announced_after_the_removal_is_no_drop() -> None:
     cpu.store([1, 2, 3, 4, 5, 6], 1.5, 0)  # 7 never comes
     gpu.settle(1.0 + OFFLOAD_SETTLE_SECONDS, [cpu])
     assert gpu.totals().dropped == 1
+
+
+def test_a_usable_divisor_is_waited_for() -> None:
+    """A steady engine offloads seldom: its counter changes every few scrapes. The ratio is not
+    used meanwhile (it would price the first blocks wrong): the divisor settles first."""
+    led = EngineLedger()
+    copied = [2931, 2950, 2972, 2997, 3101, 3150]  # 2931 and 2950 coprime; then 4 more changes
+    for i in range(5 * len(copied)):
+        assert led.block_bytes.value is None, i
+        cpu = MediumTotals(40 + 7 * i, 0)  # announcements run ahead: the ratio is far off
+        led.streams([stream(MediumTotals(0, 0), cpu)], sample(copied[i // 5] * 524_288.0, at=i), False)
+    last = stream(MediumTotals(0, 0), MediumTotals(300, 0))
+    led.streams([last], sample(3198 * 524_288.0, at=30), False)  # the fifth change that keeps it
+    assert (led.block_bytes.value, led.block_bytes.source) == (524_288, "offload")
