@@ -27,7 +27,7 @@ from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker, link_bytes_per_second, transfer_family
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.losses import account_losses
+from kvwatch.daemon.losses import account_losses, account_oom
 from kvwatch.daemon.nvml import Nvml
 from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.psi import PressureReader
@@ -95,7 +95,7 @@ class Agent:
         self.pressure = PressureReader(procfs)
         self.detectors = build_detectors(config.detectors, self.link_bytes_per_second)
         self.engines = engines
-        self.losses = LossLedger(config.engines.kv_block_bytes)
+        self.losses = LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds)
         if engines is not None:
             engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
@@ -216,6 +216,7 @@ class Agent:
         self._tick += 1
         for name, step in (
             ("events", self.memory_family.drain),
+            ("oom_losses", self._account_oom),
             ("hints", self.tracker.process_hints),
             ("discovery", lambda: self._discover(now)),
             ("kv_tiers", self.memory_family.refresh_tiers),
@@ -236,8 +237,9 @@ class Agent:
             self.errors.record("detectors", "detector evaluation failed", err)
         self.alerts.apply(findings, self.wall())
         self.tracker.expire()
+        self.losses.expire(now)
         for gone in self.tracker.take_removed():
-            self.losses.forget([gone.key])
+            self.losses.depart(gone.key, process_labels(gone), now)
             for d in self.detectors:
                 d.forget(gone.key)
             self.alerts.drop_subject(gone.key, self.wall())
@@ -279,9 +281,12 @@ class Agent:
         self.memory_family.ingest(now)
 
     def _account_losses(self, now: float) -> None:
-        tracked = self.tracker.tracked()
-        oom = self.memory_family.pending_oom_events()
-        account_losses(self.losses, self.engines, self.memory_family, tracked, oom=oom, now=now)
+        account_losses(self.losses, self.engines, self.memory_family, self.tracker.tracked(), now)
+
+    def _account_oom(self) -> None:
+        oom = self.memory_family.pending_oom_events()  # those since the detectors last took them
+        if oom and self.engines is not None:
+            account_oom(self.losses, self.engines, self.tracker.tracked(), oom)
 
     # --- detection ------------------------------------------------------------------------------
     def _process_window(self, t: Tracked, now: float) -> ProcessWindow:

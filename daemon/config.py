@@ -188,6 +188,8 @@ class EnginesConfig(_Section):
     # Bytes of one KV block, to price the loss ledger; 0: learnt from the engine's offload
     # counter (bytes copied to its CPU tier over CPU blocks announced), else blocks only.
     kv_block_bytes: Annotated[int, Field(ge=0)] = 0
+    # How long a gone process's loss ledger stays on /metrics (its last losses: an OOM kill).
+    loss_linger_seconds: NonNegFloat = 300.0
     endpoints: list[EngineEndpoint] = []
 
 

@@ -24,12 +24,10 @@ def account_losses(
     taps: EngineTaps | None,
     memory: MemoryFamily,
     tracked: Sequence[Tracked],
-    *,
-    oom: Sequence[OomEvent],
     now: float,
 ) -> None:
     if taps is not None:
-        _engines(ledger, taps, tracked, oom)
+        _engines(ledger, taps, tracked)
     _tiers(ledger, memory)
     for t in tracked:
         led = ledger.engines.get(t.key)
@@ -38,12 +36,17 @@ def account_losses(
             t.series.add(now, {k: v for k, v in values.items() if v is not None})
 
 
-def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked], oom: Sequence[OomEvent]) -> None:
+def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]) -> None:
     window = preempt_window(taps.config.scrape_interval_seconds)
     for t in tracked:
         if taps.tapped(t):
             preempting = t.series.delta("engine_preemptions", window) > 0
             ledger.of(t.key).streams(taps.streams_of(t.key), taps.sample_of(t.key), preempting)
+
+
+def account_oom(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked], oom: Sequence[OomEvent]) -> None:
+    """Run right after the kernel's events are read, before the engine taps let go of the
+    killed process's plan and streams: what its streams held is what the kill lost."""
     alive = {t.pid: t for t in tracked if t.exited_at is None}
     by_key = {t.key: t for t in tracked}
     for ev in oom:

@@ -240,4 +240,5 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
             f.probes.program.pending_releases() for f in agent.families if f.tracker is not None and f.probes
         ),
         alertmanager=agent.alerts.sink_stats(),
+        departed_losses=tuple((labels, led.totals()) for _, labels, led in agent.losses.departed.values()),
     )

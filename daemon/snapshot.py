@@ -107,6 +107,8 @@ class Snapshot:
     transfers_pending: int = 0
     uprobe_releases_pending: int = 0  # uprobes detached, their kernel release not finished yet
     alertmanager: Mapping[str, int] | None = None  # sent / failed / dropped, when the direct sink is on
+    # the loss ledgers of processes gone within engines.loss_linger_seconds: (labels, rows)
+    departed_losses: tuple[tuple[Mapping[str, str], Mapping[tuple[str, str], LossTotal]], ...] = ()
 
     @staticmethod
     def empty(reason: str = "starting") -> Snapshot:

@@ -28,13 +28,19 @@ def loss_families(s: Snapshot) -> Iterator[Metric]:
         "engine's offload bytes) or offload_ratio (those bytes over the CPU blocks announced)",
         labels=[*PROCESS_LABELS, "source"],
     )
-    for p in s.processes:
-        v = label_values(p.labels, PROCESS_LABELS)
-        for (tier, cause), row in sorted(p.kv_losses.items()):
+    # processes gone within engines.loss_linger_seconds keep their rows (an OOM kill's losses),
+    # unless a live process has the same labels (its PID reused): one series per label set
+    live = [(label_values(p.labels, PROCESS_LABELS), p.kv_losses) for p in s.processes]
+    seen = {tuple(v) for v, _ in live}
+    gone = [(label_values(lab, PROCESS_LABELS), rows) for lab, rows in s.departed_losses]
+    for v, losses in live + [(v, rows) for v, rows in gone if tuple(v) not in seen]:
+        for (tier, cause), row in sorted(losses.items()):
             if row.blocks:
                 lost_blocks.add_metric([*v, tier, cause], row.blocks)
             if row.bytes is not None:
                 lost_bytes.add_metric([*v, tier, cause], row.bytes)
+    for p in s.processes:
+        v = label_values(p.labels, PROCESS_LABELS)
         e = p.engine
         if e is not None and e.block_bytes is not None:
             block_bytes.add_metric([*v, e.block_bytes_source], e.block_bytes)

@@ -24,7 +24,7 @@ once it is (so the byte counter only grows); a disk tier's losses are bytes from
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwatch.daemon.engines.records import EngineSample, LossTotal, MediumTotals, StreamStats
@@ -162,11 +162,15 @@ class EngineLedger:
 
 
 class LossLedger:
-    """Every engine's ledger, by the owning process's key."""
+    """Every engine's ledger, by the owning process's key. A process that is gone keeps its
+    ledger for ``linger_seconds`` (with its last labels), so that the losses of its end (an OOM
+    kill) stay on /metrics long enough for a scrape to see them."""
 
-    def __init__(self, configured_block_bytes: int = 0) -> None:
+    def __init__(self, configured_block_bytes: int = 0, linger_seconds: float = 300.0) -> None:
         self.configured = configured_block_bytes
+        self.linger = linger_seconds
         self.engines: dict[str, EngineLedger] = {}
+        self.departed: dict[str, tuple[float, Mapping[str, str], EngineLedger]] = {}
 
     def of(self, key: str) -> EngineLedger:
         led = self.engines.get(key)
@@ -174,6 +178,11 @@ class LossLedger:
             led = self.engines[key] = EngineLedger(self.configured)
         return led
 
-    def forget(self, keys: Iterable[str]) -> None:
-        for k in keys:
-            self.engines.pop(k, None)
+    def depart(self, key: str, labels: Mapping[str, str], now: float) -> None:
+        led = self.engines.pop(key, None)
+        if led is not None and led.rows:
+            self.departed[key] = (now, dict(labels), led)
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, (at, _, _) in self.departed.items() if now - at >= self.linger]:
+            del self.departed[key]

@@ -75,6 +75,8 @@ USAGE = """commands (one per line; each answered with "ok <command>"):
 
 
 def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[float]], object]]:
+    ballast: list[bytes] = []
+
     def set_traffic(n: list[float]) -> None:
         traffic.rate, traffic.hot, traffic.blocks, traffic.unique = n[0], int(n[1]), int(n[2]), bool(n[3])
 
@@ -88,6 +90,7 @@ def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[
         "decode": lambda n: setattr(traffic, "decode", n[0]),
         "preempting": lambda n: setattr(traffic, "preempting", n[0]),
         "broken": lambda n: setattr(sim.pool, "broken", bool(n[0])),
+        "balloon": lambda n: ballast.extend(b"\x01" * (1 << 20) for _ in range(int(n[0]))),  # MiB, touched
         "sleep": lambda n: sim.sleep(int(n[0])) if int(n[0]) else sim.wake_up(),
         "lose": lambda n: pub.lose(int(n[0])),
         "forget": lambda n: pub.forget(int(n[0])),

@@ -112,6 +112,18 @@ def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path
         assert d2.value("kvwatch_ready") == 1
 
 
+def ledger_matches_tier(d: DaemonProcess, pid: int) -> bool:
+    """The engine's loss ledger row disk/reclaim equals the tier's reclaimed bytes, one scrape."""
+    m = d.metrics()
+    tier = sum(v for lab, v in m.get("kvwatch_pagecache_evicted_bytes_total", []) if lab["cause"] == "reclaim")
+    lost = [
+        v
+        for lab, v in m.get("kvwatch_kv_lost_bytes_total", [])
+        if (lab["pid"], lab["tier"], lab["cause"]) == (str(pid), "disk", "reclaim")
+    ]
+    return tier > 0 and lost == [tier]
+
+
 def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Path) -> None:
     files = make_files(kvdir, 24, 16 * MIB)
     drop_file_cache(files)
@@ -147,6 +159,7 @@ def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Pat
             )
             assert d.value("kvwatch_pagecache_refault_pages_total", tier="test-tier") > 0
             assert d.value("kvwatch_direct_reclaim_seconds_total", pid=str(eng.pid), scope="memcg") > 0
+            wait_until(lambda: ledger_matches_tier(d, eng.pid), 10, "the loss ledger's disk row")
             eng.send("exit")
         onset = [
             e

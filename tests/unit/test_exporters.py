@@ -469,3 +469,29 @@ def test_tls_endpoints_and_top_over_tls(tmp_path: Path) -> None:
             DaemonSource(f"https://{host}:{port}").fetch()
     finally:
         srv.stop()
+
+
+def test_a_gone_process_keeps_its_loss_ledger_unless_its_labels_are_live() -> None:
+    gone_labels = {"pid": "777", "engine": "vllm", "role": "", "component": "", "container": "", "pod": ""}
+    oom = {("gpu", "oom"): LossTotal(23, 23 * 524_288.0)}
+    live_clash = (fixture_snapshot().processes[0].labels, {("gpu", "oom"): LossTotal(5, None)})
+    s = replace(fixture_snapshot(), departed_losses=((gone_labels, oom), live_clash))
+    fams = {f.name: f for f in text_string_to_metric_families(render(s))}
+    rows = [(x.labels["pid"], x.labels["cause"], x.value) for x in fams["kvwatch_kv_lost_blocks"].samples]
+    assert ("777", "oom", 23.0) in rows
+    assert len([r for r in rows if r[0] == "4242"]) == len([k for k, v in LOSSES.items() if v.blocks])
+
+
+def test_ledger_lingers_after_the_process() -> None:
+    from kvwatch.daemon.engines.ledger import LossLedger
+
+    ledger = LossLedger(linger_seconds=300.0)
+    ledger.of("1@1").add_blocks("gpu", "oom", 23)
+    ledger.of("2@2")  # no rows: nothing to keep
+    ledger.depart("1@1", {"pid": "1"}, now=10.0)
+    ledger.depart("2@2", {"pid": "2"}, now=10.0)
+    assert list(ledger.departed) == ["1@1"] and not ledger.engines
+    ledger.expire(309.9)
+    assert list(ledger.departed) == ["1@1"]
+    ledger.expire(310.0)
+    assert not ledger.departed
