@@ -44,6 +44,15 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _slots(lo: int, back_at: dict[int, int], *, last: bool) -> list[int]:
+    """The hashes of a step's slots, a block that came back in the first: each leaves the pool
+    it was stored in (a memory that never sees its removal would keep it as resident)."""
+    hashes = list(range(lo, lo + STEP))
+    if lo in back_at:
+        hashes[0] = back_at.pop(lo) if last else back_at[lo]
+    return hashes
+
+
 def run(
     seconds: float, samples: int, offload: bool = False
 ) -> tuple[list[tuple[float, float, float]], dict[str, int], float, float]:
@@ -63,22 +72,23 @@ def run(
     base = rss_mib()
     curve = []
     cpu0, t0 = time.process_time(), time.perf_counter()
+    back_at: dict[int, int] = {}  # slot -> the old hash stored there (removed with its slot)
     for i in range(steps):
         ts = i * per_step / RATE
         new = list(range(nxt, nxt + STEP))
-        nxt += STEP
         back = nxt - POOL - BACK_AFTER
         if i % 50 == 0 and back > first:
-            new[0] = back  # a block removed ~100,000 removals ago comes back
+            new[0] = back_at[nxt] = back  # a block removed ~100,000 removals ago comes back
+        nxt += STEP
         m.store(new, ts, 16)
         if cpu_m is not None:
             cpu_m.store(new, ts, 0)
             if nxt - first > 4 * POOL:
                 lo = nxt - 4 * POOL - STEP
-                cpu_m.remove(list(range(lo, lo + STEP)), ts, ts - 10.0)
+                cpu_m.remove(_slots(lo, back_at, last=True), ts, ts - 10.0)
         if nxt - first > POOL:
             lo = nxt - POOL - STEP
-            m.remove(list(range(lo, lo + STEP)), ts, ts - 10.0, lower)
+            m.remove(_slots(lo, back_at, last=cpu_m is None), ts, ts - 10.0, lower)
         if i % every == 0 or i == steps - 1:
             remembered = m.remembered + (cpu_m.remembered if cpu_m is not None else 0)
             curve.append((ts, rss_mib() - base, remembered))
