@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from kvwatch.daemon.lab.workloads import Workload
 from kvwatch.probes.tracefs import tracefs_root
@@ -91,6 +92,9 @@ class PageFreeTruth:
             self.dir.rmdir()
 
 
+T = TypeVar("T")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,7 +144,7 @@ def wait_closes(
     return got, skipped
 
 
-def settled(read: Callable[[], float], quiet: float = 1.2, timeout: float = 10.0) -> float:
+def settled(read: Callable[[], T], quiet: float = 1.2, timeout: float = 10.0) -> T:
     """A published value once it has stayed the same for ``quiet`` seconds (more than two daemon ticks)."""
     deadline = time.monotonic() + timeout
     value = read()
@@ -210,11 +214,16 @@ class DaemonProcess:
         return out
 
     def value(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for lab, v in self.metrics().get(name, []):
-            if all(lab.get(k) == want for k, want in labels.items()):
-                total += v
-        return total
+        return self.value_in(self.metrics())(name, **labels)
+
+    @staticmethod
+    def value_in(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> Callable[..., float]:
+        """``value`` over one scrape already made: numbers that must agree read from one."""
+
+        def value(name: str, **labels: str) -> float:
+            return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == w for k, w in labels.items()))
+
+        return value
 
     def log_events(self) -> list[dict[str, object]]:
         out = []

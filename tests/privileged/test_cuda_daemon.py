@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import Child, DaemonProcess, daemon, wait_until
+from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_until
 
 RULE = workload_rule("stubengine", "cuda")
 CONFIG = rf"""
@@ -84,17 +84,32 @@ def test_metrics_from_the_stub(kvw: DaemonProcess, stub: Path) -> None:
         wait_until(lambda: attached(kvw, w.pid), 10, "CUDA probes attached")
         w.step("emptycache 100 1", "done", timeout=30)
         w.step("expandable 100 0.5", "done", timeout=30)
-        time.sleep(1.2)
         pid = str(w.pid)
-        mallocs = kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cudaMalloc", result="ok")
+
+        def counts() -> tuple[float, ...]:
+            """Every number asserted below, from one scrape (two scrapes can straddle a tick)."""
+            m = DaemonProcess.value_in(kvw.metrics())
+            return (
+                m("kvwatch_cuda_alloc_calls_total", pid=pid, api="cudaMalloc", result="ok"),
+                m("kvwatch_cuda_free_calls_total", pid=pid, api="cudaFree", result="ok"),
+                m("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemAlloc", result="ok"),
+                m("kvwatch_cuda_alloc_bytes_total", pid=pid, api="cudaMalloc"),
+                m("kvwatch_cuda_outstanding_bytes", pid=pid, kind="device"),
+                m("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemCreate", result="ok"),
+                m("kvwatch_cuda_vmm_map_calls_total", pid=pid, api="cuMemMap"),
+                m("kvwatch_probe_hits_total", family="cuda", probe="cudaMalloc"),
+            )
+
+        # the workload is done: once the published numbers stop moving (4 ticks) they are final
+        mallocs, frees, mem_alloc, alloc_bytes, outstanding, creates, maps, hits = settled(
+            counts, quiet=2.0, timeout=30
+        )
         assert mallocs > 0 and mallocs % 6 == 0
-        assert kvw.value("kvwatch_cuda_free_calls_total", pid=pid, api="cudaFree", result="ok") == mallocs
-        assert kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemAlloc", result="ok") == 0
-        assert kvw.value("kvwatch_cuda_alloc_bytes_total", pid=pid, api="cudaMalloc") == mallocs / 2 * 22 * 2**20
-        assert kvw.value("kvwatch_cuda_outstanding_bytes", pid=pid, kind="device") == 0
-        assert kvw.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cuMemCreate", result="ok") > 0
-        assert kvw.value("kvwatch_cuda_vmm_map_calls_total", pid=pid, api="cuMemMap") > 0
-        assert kvw.value("kvwatch_probe_hits_total", family="cuda", probe="cudaMalloc") >= mallocs
+        assert frees == mallocs and mem_alloc == 0
+        assert alloc_bytes == mallocs / 2 * 22 * 2**20
+        assert outstanding == 0
+        assert creates > 0 and maps > 0
+        assert hits >= mallocs
     wait_until(lambda: kvw.value("kvwatch_cuda_probes_attached", pid=pid) == 0, 10, "detached after exit")
 
 
