@@ -138,14 +138,12 @@ def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Pat
             eng.step("warm", "warm")
             r0 = resident_total(files)
             reclaim0 = d.value("kvwatch_pagecache_evicted_bytes_total", tier="test-tier", cause="reclaim")
-            t0 = time.monotonic()
             eng.send("squeeze")
 
             def firing() -> bool:
                 return d.value("kvwatch_alert_active", alert="KVHostTierEvictionUnderPressure") == 1
 
-            wait_until(firing, 20, "KVHostTierEvictionUnderPressure")
-            latency = time.monotonic() - t0
+            wait_until(firing, 20, "KVHostTierEvictionUnderPressure")  # latency: bench/bench_detection.py
             active = next(
                 lab
                 for lab, _ in d.metrics()["kvwatch_alert_active"]
@@ -168,7 +166,6 @@ def test_host_tier_squeeze_alerts_and_delete_does_not(tmp_path: Path, kvdir: Pat
             if e.get("event") == "alert firing" and e.get("alert") == "KVHostTierEvictionUnderPressure"
         ]
         assert len(onset) == 1 and onset[0]["values"]["evicted_bytes_per_second"] > 32 * MIB  # type: ignore[index]
-        assert latency < 10, latency
         wait_until(
             lambda: d.value("kvwatch_alert_active", alert="KVHostTierEvictionUnderPressure") == 0,
             30,
@@ -198,11 +195,9 @@ def test_oom_kill_counted_and_alerted(tmp_path: Path, kvdir: Path) -> None:
         with Child("oom") as victim:
             cg.add(victim.pid)
             wait_until(lambda: watched(d, victim.pid), 10, "victim discovered")
-            t0 = time.monotonic()
             victim.send("go")
             victim.proc.wait(30)
-            wait_until(lambda: d.value("kvwatch_oom_kills_total", engine="testengine") == 1, 5, "OOM counted")
-            assert time.monotonic() - t0 < 5
+            wait_until(lambda: d.value("kvwatch_oom_kills_total", engine="testengine") == 1, 20, "OOM counted")
             assert d.value("kvwatch_alert_active", alert="InferenceProcessOOMKilled", pid=str(victim.pid)) == 1
             assert d.value("kvwatch_alerts_fired_total", alert="InferenceProcessOOMKilled") == 1
     onset = [
