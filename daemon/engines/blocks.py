@@ -77,33 +77,25 @@ class MediumBlocks:
         """``alone``: stored by itself after a parent block (a generated block, as like as not).
         A block once stored alone keeps that mark when the engine stores it again (a preempted
         request computing its generated blocks again in one go)."""
-        self.stored += len(hashes)
-        marked: set[int] = set()
-        fps, gone = self._removed_at.take_keys(hashes)
-        for fp, t in zip(fps, gone, strict=True):
+        fps = [fingerprint(h) for h in hashes]
+        self.stored += len(fps)
+        marked = set(fps) if alone else set()
+        keys, gone = self._removed_at.take_keys(fps)
+        for fp, t in zip(keys, gone, strict=True):
             self._regret(max(ts - abs(t), 0.0), block_size)
             if copysign(1.0, t) < 0:
                 marked.add(fp)
-        fps, held = self._stored_at.take_keys(hashes)
-        self.restored += len(fps)
-        marked.update(fp for fp, t in zip(fps, held, strict=True) if copysign(1.0, t) < 0)
-        self._put(self._stored_at, hashes, ts, alone, marked)
-
-    @staticmethod
-    def _put(memory: HashMemory, hashes: Sequence[Hash], ts: float, alone: bool, marked: set[int]) -> None:
-        """Times of blocks stored alone (or marked so before) kept negative."""
-        if alone or not marked:
-            memory.put(hashes, -ts if alone else ts)
-            return
-        fps = [fingerprint(h) for h in hashes]
-        memory.put_keys([f for f in fps if f not in marked], ts)
-        memory.put_keys([f for f in fps if f in marked], -ts)
+        keys, held = self._stored_at.take_keys(fps)
+        self.restored += len(keys)
+        marked.update(fp for fp, t in zip(keys, held, strict=True) if copysign(1.0, t) < 0)
+        _put(self._stored_at, fps, ts, marked)
 
     def remove(
         self, hashes: Sequence[Hash], ts: float, young_before: float, lower: Sequence[MediumBlocks] = ()
     ) -> None:
-        self.removed += len(hashes)
-        keys, times = self._stored_at.take_keys(hashes)
+        fps = [fingerprint(h) for h in hashes]
+        self.removed += len(fps)
+        keys, times = self._stored_at.take_keys(fps)
         self.young += sum(1 for t in times if abs(t) > young_before)
         alone = {k for k, t in zip(keys, times, strict=True) if copysign(1.0, t) < 0}
         # only blocks whose store the stream saw (older ones cannot be judged), and not alone
@@ -113,15 +105,12 @@ class MediumBlocks:
             self._pending_n += len(judged)
             if self._pending_n > MAX_PENDING:
                 self.settle(float("inf"), lower)
-        fps = [fingerprint(h) for h in hashes]
         seen = set(keys)
         again = [f for f in fps if f not in seen]  # removed before without a store between
         if again:  # (one hash in two physical blocks): the mark of the first removal stays
             rk, rt = self._removed_at.take_keys(again)
             alone.update(k for k, t in zip(rk, rt, strict=True) if copysign(1.0, t) < 0)
-        self._removed_at.put_keys([f for f in fps if f not in alone], ts)
-        if alone:
-            self._removed_at.put_keys([f for f in fps if f in alone], -ts)
+        _put(self._removed_at, fps, ts, alone)
 
     def settle(self, ts: float, lower: Sequence[MediumBlocks]) -> None:
         """Judge the GPU removals older than OFFLOAD_SETTLE_SECONDS: those no lower tier holds
@@ -176,3 +165,12 @@ class MediumBlocks:
             stores_forgotten=self._stored_at.forgotten,
             removals_forgotten=self._removed_at.forgotten,
         )
+
+
+def _put(memory: HashMemory, fps: Sequence[int], ts: float, marked: set[int]) -> None:
+    """Each fingerprint with its time, kept negative for those marked (stored alone once)."""
+    if not marked:
+        memory.put_keys(fps, ts)
+        return
+    memory.put_keys([f for f in fps if f not in marked], ts)
+    memory.put_keys([f for f in fps if f in marked], -ts)

@@ -68,16 +68,15 @@ class HashMemory:
 
     def take(self, hashes: Sequence[Hash]) -> list[float]:
         """The times of the hashes held (each forgotten here), in no particular order."""
-        return self.take_keys(hashes)[1]
+        return self.take_keys([fingerprint(h) for h in hashes])[1]
 
-    def take_keys(self, hashes: Sequence[Hash]) -> tuple[list[int], list[float]]:
-        """The fingerprints and times of the hashes held (each forgotten here)."""
+    def take_keys(self, fps: Sequence[int]) -> tuple[list[int], list[float]]:
+        """The fingerprints held and their times (each forgotten here)."""
         keys: list[int] = []
         found: list[float] = []
         rest: list[int] = []
         opened = self._open
-        for h in hashes:
-            fp = fingerprint(h)
+        for fp in fps:
             t = opened.pop(fp, None)
             if t is None:
                 rest.append(fp)

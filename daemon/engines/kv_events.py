@@ -30,6 +30,7 @@ from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.records import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
+    NIL,
     REMOVED,
     STORED,
     Decoder,
@@ -298,16 +299,10 @@ class KVEventHub:
         young_before = ts - self.thrash_seconds
         for ev in batch.events:
             if isinstance(ev, STORED):
-                alone = len(ev.block_hashes) == 1 and ev.parent_block_hash is not None
+                alone = len(ev.block_hashes) == 1 and ev.parent_block_hash != NIL
                 self._medium(st, ev.medium).store(ev.block_hashes, ts, ev.block_size, alone)
             elif isinstance(ev, REMOVED):
-                name = ev.medium or DEFAULT_MEDIUM
-                lower = (
-                    [m for k, m in st.media.items() if k != DEFAULT_MEDIUM and m.stored]
-                    if name == DEFAULT_MEDIUM
-                    else []
-                )
-                self._medium(st, name).remove(ev.block_hashes, ts, young_before, lower)
+                self._medium(st, ev.medium).remove(ev.block_hashes, ts, young_before, self._lower(st, ev.medium))
             elif isinstance(ev, CLEARED):
                 st.cleared += 1
                 self._settle(st, float("inf"))  # what waits is judged before the memories go

@@ -49,9 +49,12 @@ class WireError(ValueError):
 
 
 # --- decoding structs (ours): only what kvwatch counts is materialised -------------------------
+NIL = msgspec.Raw(b"\xc0")  # msgpack nil: a BlockStored without a parent block
+
+
 class _AStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     block_hashes: list[Hash]
-    parent_block_hash: Hash | None
+    parent_block_hash: msgspec.Raw  # only whether there is one matters; any value decodes
     token_ids: msgspec.Raw
     block_size: int
     lora_id: msgspec.Raw
@@ -69,7 +72,7 @@ class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=Fals
 
 class _MStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[Hash]
-    parent_block_hash: Hash | None = None
+    parent_block_hash: msgspec.Raw = NIL
     block_size: int = 0
     medium: str | None = None
 

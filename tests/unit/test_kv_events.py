@@ -10,7 +10,7 @@ import contextlib
 import json
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.records import StreamSpec, StreamStats
+from kvwatch.daemon.engines.records import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.privileged.helpers import free_port, wait_until
@@ -150,6 +150,16 @@ def one_stream(hub: KVEventHub) -> Iterator[tuple[StreamSpec, WirePublisher]]:
         yield spec, pub
     finally:
         pub.close()
+
+
+def publish_script(hub: KVEventHub, script: list[tuple[float, list[dict[str, Any]]]]) -> Mapping[str, MediumTotals]:
+    """Every (engine ts, events) batch of a script through a fresh stream; its media once all counted."""
+    with one_stream(hub) as (spec, pub):
+        for ts, events in script:
+            pub.publish(events, ts=ts)
+        assert pub.flush()
+        wait_until(lambda: stats_of(hub, spec).batches == len(script), 10, "every batch")
+        return stats_of(hub, spec).media
 
 
 def xpub(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> zmq.Socket[bytes]:

@@ -19,9 +19,8 @@ from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, EngineLedger
 from kvwatch.daemon.engines.records import EngineSample, LossTotal, MediumTotals, StreamSpec, StreamStats
 
-from tests.privileged.helpers import wait_until
 from tests.tools.vllm_run_fixtures import uncompact
-from tests.unit.test_kv_events import one_stream, stats_of
+from tests.unit.test_kv_events import publish_script
 
 BS = 16
 REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"
@@ -50,13 +49,7 @@ def ledger_script() -> list[tuple[float, list[dict[str, Any]]]]:
 
 
 def test_stream_counts_evicted_dropped_and_cleared(hub: KVEventHub) -> None:
-    with one_stream(hub) as (spec, pub):
-        script = ledger_script()
-        for ts, events in script:
-            pub.publish(events, ts=ts)
-        assert pub.flush()
-        wait_until(lambda: stats_of(hub, spec).batches == len(script), 10, "every batch")
-        media = stats_of(hub, spec).media
+    media = publish_script(hub, ledger_script())
     gpu, cpu = media["GPU"], media["CPU"]
     assert (gpu.removed, gpu.dropped, gpu.cleared, gpu.resident) == (5 + 42 + 3, 13, 11, 0)
     assert (cpu.removed, cpu.dropped, cpu.cleared, cpu.resident) == (7, 0, 22, 0)

@@ -19,9 +19,8 @@ from kvwatch.daemon.engines.hashmem import HashMemory
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.records import REGRET_BUCKETS
 
-from tests.privileged.helpers import wait_until
 from tests.tools.vllm_run_fixtures import uncompact
-from tests.unit.test_kv_events import one_stream, stats_of
+from tests.unit.test_kv_events import publish_script
 
 BS = 16  # tokens per block
 REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"  # see test_vllm_replay.py
@@ -90,17 +89,11 @@ def regret_script() -> list[tuple[float, list[dict[str, Any]]]]:
 
 
 def test_regret_over_the_wire_per_medium(hub: KVEventHub) -> None:
-    with one_stream(hub) as (spec, pub):
-        script = regret_script()
-        for ts, events in script:
-            pub.publish(events, ts=ts)
-        assert pub.flush()
-        wait_until(lambda: stats_of(hub, spec).batches == len(script), 10, "every batch")
-        media = stats_of(hub, spec).media
-        gpu, cpu = media["GPU"], media["CPU"]
-        assert (gpu.regretted, gpu.regret_tokens, gpu.regret_seconds) == (23, 23 * BS, 23.0)
-        assert (cpu.regretted, cpu.regret_tokens, cpu.regret_seconds) == (11, 11 * BS, 11 * 60.0)
-        assert gpu.regret_buckets[bucket(1.0)] == 23 and cpu.regret_buckets[bucket(60.0)] == 11
+    media = publish_script(hub, regret_script())
+    gpu, cpu = media["GPU"], media["CPU"]
+    assert (gpu.regretted, gpu.regret_tokens, gpu.regret_seconds) == (23, 23 * BS, 23.0)
+    assert (cpu.regretted, cpu.regret_tokens, cpu.regret_seconds) == (11, 11 * BS, 11 * 60.0)
+    assert gpu.regret_buckets[bucket(1.0)] == 23 and cpu.regret_buckets[bucket(60.0)] == 11
 
 
 def test_hash_memory_across_generations_and_its_bound() -> None:
