@@ -21,6 +21,7 @@ from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.registry import build_detectors
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.discovery import Discovery
+from kvwatch.daemon.engines.audit import MetricAudit, audit_settings
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
@@ -96,6 +97,7 @@ class Agent:
         self.detectors = build_detectors(config.detectors, self.link_bytes_per_second)
         self.engines = engines
         self.losses = LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds)
+        self.audit = MetricAudit(audit_settings(config.detectors.engine_metric_divergence))
         if engines is not None:
             engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
@@ -225,6 +227,7 @@ class Agent:
             ("engines", self._sync_engines),
             ("sample", lambda: self._ingest(now)),
             ("losses", lambda: self._account_losses(now)),
+            ("audit", lambda: self._audit(now)),
         ):
             try:
                 step()
@@ -283,6 +286,11 @@ class Agent:
     def _account_losses(self, now: float) -> None:
         account_losses(self.losses, self.engines, self.memory_family, self.tracker.tracked(), now)
 
+    def _audit(self, now: float) -> None:
+        engines = self.engines
+        if engines is not None:
+            self.audit.update(((t.key, t.series) for t in self.tracker.tracked() if engines.tapped(t)), now)
+
     def _account_oom(self) -> None:
         oom = self.memory_family.pending_oom_events()  # those since the detectors last took them
         if oom and self.engines is not None:
@@ -297,6 +305,7 @@ class Agent:
             alive=t.exited_at is None,
             psi_some_avg10=self.pressure.cgroup(t.proc.cgroup.unified_path),
             environ=t.proc.environ,
+            audit=self.audit.rows.get(t.key, ()),
         )
 
     def _detect(self, now: float) -> list[Finding]:

@@ -262,6 +262,19 @@ class PreemptionLivelockConfig(DetectorCommon):
     baseline_min_seconds: NonNegFloat = 30.0
 
 
+class MetricDivergenceConfig(_Section):
+    """The KV metric-truth audit (engines/audit.py) and its alert."""
+
+    enabled: bool = True
+    window_seconds: Annotated[float, Field(ge=1)] = 30.0  # one audit window; several engine scrapes
+    tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.10  # of the larger of the two numbers
+    floor_bytes: NonNegFloat = 64 * 1024 * 1024  # a window moving less is not judged
+    floor_blocks: NonNegFloat = 64.0
+    confirm_windows: Annotated[int, Field(ge=1)] = 3
+    clear_windows: Annotated[int, Field(ge=1)] = 2
+    severity: Literal["info", "warning", "critical"] = "info"
+
+
 class OOMConfig(_Section):
     enabled: bool = True
     include_cgroup_siblings: bool = True
@@ -275,6 +288,7 @@ class DetectorsConfig(_Section):
     eviction_burst: EvictionBurstConfig = EvictionBurstConfig()
     prefix_cache_ineffective: PrefixCacheIneffectiveConfig = PrefixCacheIneffectiveConfig()
     preemption_livelock: PreemptionLivelockConfig = PreemptionLivelockConfig()
+    engine_metric_divergence: MetricDivergenceConfig = MetricDivergenceConfig()
     oom: OOMConfig = OOMConfig()
 
 

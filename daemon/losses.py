@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvwatch.daemon.detectors.view import OomEvent
+from kvwatch.daemon.engines.audit import BLOCK_BYTES
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.records import LOST_BYTES, MediumTotals
 from kvwatch.daemon.engines.taps import EngineTaps
@@ -34,6 +35,8 @@ def account_losses(
         if led is not None:
             values = {f"{LOST_BYTES}{tier}:{cause}": r.bytes for (tier, cause), r in led.totals().items()}
             t.series.add(now, {k: v for k, v in values.items() if v is not None})
+            size = led.block_bytes  # the audit prices blocks only with a size not taken from their ratio
+            t.series.set_gauges({BLOCK_BYTES: float(size.value or 0) if size.source in ("config", "offload") else 0.0})
 
 
 def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]) -> None:

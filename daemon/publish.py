@@ -166,6 +166,7 @@ def _process_views(agent: Agent) -> tuple[ProcessView, ...]:
             transfers=_transfer_view(agent, t),
             engine=_engine_view(agent, t, window),
             kv_losses=_losses(agent, t),
+            kv_audit=agent.audit.rows.get(t.key, ()),
         )
         for t in agent.tracker.tracked()
     )

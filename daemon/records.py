@@ -14,6 +14,8 @@ ALERT_NAMES = (
     "KVTransferBandwidthCollapse",
     "InferenceProcessOOMKilled",
     "KVWatchProbeDown",
+    "KVEngineMetricDivergence",
+    "KVWatchProbeShed",
 )
 
 

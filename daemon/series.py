@@ -47,6 +47,17 @@ class CounterSeries:
         inc, dt = self.delta(window)
         return inc / dt if dt > 0 else 0.0
 
+    def value_at(self, t: float) -> float | None:
+        """The counter at time ``t``, linear between the samples around it; None outside them."""
+        if not self.samples or t < self.samples[0][0] or t > self.samples[-1][0]:
+            return None
+        later = next(i for i in range(len(self.samples) - 1, -1, -1) if self.samples[i][0] <= t)
+        t0, v0 = self.samples[later]
+        if later + 1 == len(self.samples) or t0 == t:
+            return v0
+        t1, v1 = self.samples[later + 1]
+        return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+
 
 @dataclass(slots=True)
 class SeriesSet:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.engines.records import EngineView, LossTotal
+from kvwatch.daemon.engines.records import AuditRow, EngineView, LossTotal
 from kvwatch.daemon.records import Alert
 from kvwatch.probes.records import ApiCounters, XferCounters
 
@@ -57,6 +57,7 @@ class ProcessView:
     transfers: TransferView | None = None
     engine: EngineView | None = None  # KV event streams and /metrics of this engine process
     kv_losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause): the ledger
+    kv_audit: tuple[AuditRow, ...] = ()  # the KV metric-truth audit: engine counter vs kvwatch's evidence
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.exporters import (
     prom_agent,
     prom_alerts,
+    prom_audit,
     prom_cuda,
     prom_engines,
     prom_losses,
@@ -59,6 +60,7 @@ class SnapshotCollector(Collector):
         yield from prom_transfers.transfer_families(s)
         yield from prom_engines.engine_families(s)
         yield from prom_losses.loss_families(s)
+        yield from prom_audit.audit_families(s)
         yield from prom_memory.tier_families(s)
         yield from prom_memory.oom_family(s)
         yield from prom_alerts.active_family(s)

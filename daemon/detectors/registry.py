@@ -8,6 +8,7 @@ from kvwatch.daemon.config import DetectorsConfig
 from kvwatch.daemon.detectors.base import Finding
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
+from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.preemption_livelock import PreemptionLivelock
 from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
@@ -35,6 +36,7 @@ def build_detectors(config: DetectorsConfig, link_bytes_per_second: float) -> li
         EvictionBurst(config.eviction_burst),
         PrefixCacheIneffective(config.prefix_cache_ineffective),
         PreemptionLivelock(config.preemption_livelock),
+        EngineMetricDivergence(config.engine_metric_divergence),
         OOMKilled(config.oom),
         ProbeDown(),
     ]

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.detectors.base import Subject
+from kvwatch.daemon.engines.records import AuditRow
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.probes.records import HookStatus
 
@@ -18,6 +19,7 @@ class ProcessWindow:
     alive: bool = True
     psi_some_avg10: float | None = None  # the process's memory cgroup, where known
     environ: Mapping[str, str] = field(default_factory=dict)
+    audit: Sequence[AuditRow] = ()  # the KV metric-truth audit's pairs (engine processes)
 
 
 @dataclass(frozen=True, slots=True)

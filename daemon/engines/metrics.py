@@ -43,6 +43,7 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 EVICTED_TOKENS = ("sglang:evicted_tokens_total",)
 IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 SLEEP_STATE = "vllm:engine_sleep_state"
+CACHE_CONFIG = "vllm:cache_config_info"  # label num_gpu_blocks: the GPU pool, per engine
 EXTERNAL_QUERIES = ("vllm:external_prefix_cache_queries_total",)  # tokens asked of a KV connector (CPU tier)
 EXTERNAL_HITS = ("vllm:external_prefix_cache_hits_total",)
 OFFLOAD_STORE_BYTES = ("vllm:kv_offload_store_bytes_total",)  # OffloadingConnector: GPU -> CPU
@@ -66,6 +67,7 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
     buckets: list[tuple[float, float]] = []
     idle_count: float | None = None
     by_type: dict[str, float] = {}  # offload bytes under the older, labelled name
+    pool: float | None = None
     families = 0
     for fam in text_string_to_metric_families(text):
         families += 1
@@ -76,6 +78,11 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
             if name == SLEEP_STATE:
                 if s.labels.get("sleep_state") == "awake":
                     awake.append(s.value)
+                continue
+            if name == CACHE_CONFIG:
+                blocks = s.labels.get("num_gpu_blocks", "")
+                if blocks.isdigit():
+                    pool = (pool or 0.0) + float(blocks)  # one series per data-parallel engine
                 continue
             if name == OFFLOAD_BY_TYPE:
                 name = {"GPU_to_CPU": OFFLOAD_STORE_BYTES[0], "CPU_to_GPU": OFFLOAD_LOAD_BYTES[0]}.get(
@@ -122,6 +129,7 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
         offload_store_bytes=first(OFFLOAD_STORE_BYTES, {**by_type, **sums}),  # the flat name when both
         offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
         generation_tokens=first(GENERATION_TOKENS, sums),
+        pool_blocks=pool,
         families=families,
     )
 

@@ -111,6 +111,7 @@ class EngineSample:
     offload_store_bytes: float | None = None  # vLLM OffloadingConnector: bytes copied GPU -> CPU
     offload_load_bytes: float | None = None  # ... CPU -> GPU
     generation_tokens: float | None = None  # tokens generated (decoded)
+    pool_blocks: float | None = None  # GPU KV blocks the engine allocated (vLLM cache_config_info, summed over DP)
     families: int = 0
 
     def counters(self) -> dict[str, float]:
@@ -132,6 +133,24 @@ class EngineSample:
             "engine_generation_tokens": self.generation_tokens,
         }
         return {k: v for k, v in names.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    """One pair of the KV metric-truth audit (``daemon/engines/audit.py``) for one engine process:
+    what the engine's counter and kvwatch's own evidence said over the last judged window."""
+
+    pair: str  # offload_store_copies, offload_load_copies, offload_store_blocks, resident_blocks
+    unit: str  # bytes / blocks
+    engine_source: str  # the engine's metric
+    kvwatch_source: str  # kvwatch's evidence
+    engine: float  # over the last judged window (a gauge pair: its value at the window's end)
+    kvwatch: float
+    divergence: float  # (engine - kvwatch) / max(engine, kvwatch): < 0, the engine reports less
+    diverged: bool  # beyond the tolerance, in the direction the pair judges
+    window: int  # judged windows so far (the detector counts consecutive ones by this)
+    windows_diverged: int
+    window_seconds: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,10 +207,24 @@ class EngineTaps:
         sleeping: dict[str, float] = {}
         for t in tracked:
             sleeping.update(self._add_owner_series(t, now))
+        copies: dict[str, list[float]] = {}  # owner -> d2h, h2d bytes, members probed, members shed
         for t in tracked:  # the engine's other processes learn what their server says of it
             owner = self.family_owner(t, by_pid)
-            if owner is not None:
+            if owner is None:
+                continue
+            if t.exited_at is None:
                 t.series.set_gauges({"engine_family_tapped": 1.0, "engine_sleeping": sleeping.get(owner, 0.0)})
+            if "cuda_copy_d2h_bytes" in t.series.series:
+                acc = copies.setdefault(owner, [0.0, 0.0, 0.0, 0.0])
+                acc[0] += t.series.last("cuda_copy_d2h_bytes")
+                acc[1] += t.series.last("cuda_copy_h2d_bytes")
+                acc[2] += 1.0
+                acc[3] += t.series.gauge("cuda_shed")
+        for t in tracked:  # the copies of the engine's processes, summed on the tapped one (the audit's)
+            if t.key in copies:
+                d2h, h2d, probed, shed = copies[t.key]
+                t.series.add(now, {"family_copy_d2h_bytes": d2h, "family_copy_h2d_bytes": h2d})
+                t.series.set_gauges({"family_copy_probes": float(probed > 0 and shed == 0)})
 
     def _add_owner_series(self, t: Tracked, now: float) -> dict[str, float]:
         """A tapped process's own series; returns {its key: sleeping} when it has a scrape."""
@@ -237,6 +251,9 @@ class EngineTaps:
                         values[name] = values.get(name, 0.0) + v
             t.series.add(now, values)
             gauges["kv_events_connected"] = float(any(s.connected for s in streams))
+            gauges["kv_resident_blocks:GPU"] = float(
+                sum(s.media[m].resident for s in streams for m in s.media if m == "GPU")
+            )
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None
         if sample is not None:
@@ -247,6 +264,7 @@ class EngineTaps:
             gauges["engine_metrics_fresh"] = float(fresh)
             if sample.usage is not None and fresh:
                 gauges["engine_kv_usage"] = sample.usage
+            gauges["engine_kv_pool_blocks"] = sample.pool_blocks if sample.pool_blocks is not None and fresh else 0.0
             gauges["engine_sleeping"] = float(bool(sample.sleeping) and fresh)
         if gauges:
             t.series.set_gauges(gauges)

@@ -81,11 +81,21 @@ class _Metrics:
         )
         self.sleep = {s: sleep.labels(*lv, s) for s in ("awake", "weights_offloaded", "discard_all")}
         self.seen = PoolStats()
+        self.store_share = 1.0  # of the offload bytes stored, the share reported
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "enable_prefix_caching", "engine", "num_cpu_blocks", "num_gpu_blocks"],
+            registry=r,
+        )
+
+    def set_pool(self, gpu_blocks: int, cpu_blocks: int) -> None:
+        self.cache_config.labels("16", "True", "0", str(cpu_blocks or "None"), str(gpu_blocks)).set(1)
 
     def sync(self, st: PoolStats, usage: float, running: int, waiting: int) -> None:
         for name, c in self.counters.items():
-            delta = getattr(st, name) - getattr(self.seen, name)
-            if delta:
+            delta = self._reported(name, st) - self._reported(name, self.seen)
+            if delta > 0:
                 c.inc(delta)
                 if name in self.by_type:
                     self.by_type[name].inc(delta)
@@ -93,6 +103,14 @@ class _Metrics:
         self.usage.set(usage)
         self.running.set(running)
         self.waiting.set(waiting)
+
+    def _reported(self, name: str, st: PoolStats) -> int:
+        """What the engine says: the truth, or with ``underreport`` a share of its offload stores
+        (whole blocks: an engine that misses some copies, not one that miscounts their size)."""
+        v: int = getattr(st, name)
+        if name == "store_bytes" and self.store_share < 1.0:
+            v = int(v // BLOCK_BYTES * self.store_share) * BLOCK_BYTES
+        return v
 
     def set_sleep(self, level: int | None) -> None:
         self.sleep["awake"].set(0 if level else 1)
@@ -129,6 +147,7 @@ class SimulatedVllm:
         self.publisher = WirePublisher(kv_endpoint, replay_endpoint, layout=layout, topic=topic)
         self.metrics = _Metrics(model)
         self.metrics.set_sleep(None)
+        self.metrics.set_pool(capacity, cpu_blocks)
         self._sleep_level: int | None = None
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -220,6 +239,14 @@ class SimulatedVllm:
 
     def is_sleeping(self) -> bool:
         return self._sleep_level is not None
+
+    def _reported(self, name: str, st: PoolStats) -> int:
+        """What the engine says: the truth, or with ``underreport`` a share of its offload stores
+        (whole blocks: an engine that misses some copies, not one that miscounts their size)."""
+        v: int = getattr(st, name)
+        if name == "store_bytes" and self.store_share < 1.0:
+            v = int(v // BLOCK_BYTES * self.store_share) * BLOCK_BYTES
+        return v
 
     def set_sleep(self, level: int | None) -> None:
         self._sleep_level = level or None

@@ -71,6 +71,7 @@ USAGE = """commands (one per line; each answered with "ok <command>"):
   decode TOKENS_PER_S   running requests generate     preempting PER_S   requests preempted per second
   sleep LEVEL   sleep mode 1/2 (0: awake)            lose N / forget N   batches off the wire
   garbage       one malformed message               stats     pool counters as JSON
+  underreport SHARE   /metrics reports only SHARE of the offload bytes stored (0..1; 1: the truth)
   quit"""
 
 
@@ -91,6 +92,7 @@ def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[
         "preempting": lambda n: setattr(traffic, "preempting", n[0]),
         "broken": lambda n: setattr(sim.pool, "broken", bool(n[0])),
         "balloon": lambda n: ballast.extend(b"\x01" * (1 << 20) for _ in range(int(n[0]))),  # MiB, touched
+        "underreport": lambda n: setattr(sim.metrics, "store_share", n[0]),  # of offload bytes stored
         "sleep": lambda n: sim.sleep(int(n[0])) if int(n[0]) else sim.wake_up(),
         "lose": lambda n: pub.lose(int(n[0])),
         "forget": lambda n: pub.forget(int(n[0])),

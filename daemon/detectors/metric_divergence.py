@@ -1,0 +1,90 @@
+"""KVEngineMetricDivergence: an engine's KV counter disagrees with kvwatch's own evidence of the
+same quantity for ``confirm_windows`` audit windows in a row (``engines/audit.py`` judges each
+window; this detector only counts them). Info severity by default: it says whose number to
+distrust, not that the cache is failing. Clears after ``clear_windows`` windows that agree.
+
+One finding per engine process; its cause is the first pair that fires, in the audit's order,
+and the summary names both numbers and their sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwatch.daemon.config import MetricDivergenceConfig
+from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
+from kvwatch.daemon.detectors.view import NodeView
+from kvwatch.daemon.engines.records import AuditRow
+
+ALERT = "KVEngineMetricDivergence"
+
+
+@dataclass(slots=True)
+class _Pair:
+    hysteresis: Hysteresis
+    window: int = 0
+
+
+@dataclass(slots=True)
+class _State:
+    pairs: dict[str, _Pair] = field(default_factory=dict)
+
+
+def _amount(row: AuditRow, v: float) -> str:
+    return f"{v / (1 << 20):,.1f} MiB" if row.unit == "bytes" else f"{v:,.0f} blocks"
+
+
+def describe(row: AuditRow) -> str:
+    return (
+        f"{row.pair}: engine {_amount(row, row.engine)} ({row.engine_source}) vs kvwatch "
+        f"{_amount(row, row.kvwatch)} ({row.kvwatch_source}) over {row.window_seconds:.0f} s, "
+        f"{row.divergence:+.0%}"
+    )
+
+
+class EngineMetricDivergence:
+    name = ALERT
+
+    def __init__(self, config: MetricDivergenceConfig) -> None:
+        self.config = config
+        self._state: dict[str, _State] = {}
+
+    def forget(self, subject_key: str) -> None:
+        self._state.pop(subject_key, None)
+
+    def evaluate(self, view: NodeView) -> list[Finding]:
+        if not self.config.enabled:
+            return []
+        out = []
+        for key, p in view.processes.items():
+            if not p.audit:
+                continue
+            st = self._state.setdefault(key, _State())
+            firing: list[AuditRow] = []
+            for row in p.audit:
+                ps = st.pairs.get(row.pair)
+                if ps is None:
+                    ps = st.pairs[row.pair] = _Pair(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
+                if row.window != ps.window:  # a new window: one step of the count
+                    ps.window = row.window
+                    ps.hysteresis.step(row.diverged, not row.diverged, view.now)
+                if ps.hysteresis.firing:
+                    firing.append(row)
+            lead = firing[0] if firing else p.audit[0]
+            values = {
+                f"{r.pair}_{side}": v for r in p.audit for side, v in (("engine", r.engine), ("kvwatch", r.kvwatch))
+            }
+            values.update({f"{r.pair}_divergence": round(r.divergence, 6) for r in p.audit})
+            out.append(
+                Finding(
+                    alert=ALERT,
+                    subject=Subject(key, p.subject.labels),
+                    firing=bool(firing),
+                    cause=lead.pair if firing else "",
+                    values=values,
+                    summary=f"pid {p.subject.labels.get('pid', '?')} "
+                    + "; ".join(describe(r) for r in (firing or [lead])),
+                    severity=self.config.severity,
+                )
+            )
+        return out

@@ -1,0 +1,40 @@
+"""Prometheus families of the KV metric-truth audit: per engine process and pair, what the
+engine's counter and kvwatch's own evidence said over the last judged window, how far apart,
+and how many windows agreed or diverged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+def audit_families(s: Snapshot) -> Iterator[Metric]:
+    labels = [*PROCESS_LABELS, "pair"]
+    value = GaugeMetricFamily(
+        "kvwatch_engine_metric_audit_value",
+        "KV metric-truth audit, last judged window: the engine's counter (source engine) and kvwatch's "
+        "own evidence of the same quantity (source kvwatch), in unit; resident_blocks is a bound (kvwatch <= engine)",
+        labels=[*labels, "source", "unit"],
+    )
+    ratio = GaugeMetricFamily(
+        "kvwatch_engine_metric_divergence_ratio",
+        "(engine - kvwatch) / the larger of the two, last judged audit window: below 0 the engine reports less",
+        labels=labels,
+    )
+    windows = CounterMetricFamily(
+        "kvwatch_engine_metric_audit_windows",
+        "audit windows judged per pair, by result: agree, or diverge (apart by more than the tolerance)",
+        labels=[*labels, "result"],
+    )
+    for p in s.processes:
+        v = label_values(p.labels, PROCESS_LABELS)
+        for row in p.kv_audit:
+            value.add_metric([*v, row.pair, "engine", row.unit], row.engine)
+            value.add_metric([*v, row.pair, "kvwatch", row.unit], row.kvwatch)
+            ratio.add_metric([*v, row.pair], row.divergence)
+            windows.add_metric([*v, row.pair, "agree"], row.window - row.windows_diverged)
+            windows.add_metric([*v, row.pair, "diverge"], row.windows_diverged)
+    yield from (value, ratio, windows)
