@@ -21,6 +21,7 @@ from kvwatch.exporters import (
     prom_engines,
     prom_losses,
     prom_memory,
+    prom_tiers,
     prom_transfers,
 )
 from prometheus_client.core import CollectorRegistry, Metric
@@ -60,6 +61,7 @@ class SnapshotCollector(Collector):
         yield from prom_transfers.transfer_families(s)
         yield from prom_engines.engine_families(s)
         yield from prom_losses.loss_families(s)
+        yield from prom_tiers.tier_families(s)
         yield from prom_audit.audit_families(s)
         yield from prom_memory.tier_families(s)
         yield from prom_memory.oom_family(s)

@@ -19,9 +19,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import structlog
 from kvwatch.daemon.engines.records import EngineSample, ScrapeTarget, TargetState
+from kvwatch.daemon.engines.tiers import read_tiers, wanted
 from prometheus_client.parser import text_string_to_metric_families
 
 log = structlog.get_logger("kvwatch.engine_metrics")
@@ -59,45 +61,59 @@ def _keep(labels: Mapping[str, str]) -> bool:
     return labels.get("tp_rank", "0") == "0"
 
 
+@dataclass(slots=True)
+class _Page:
+    """What one page holds beyond plain sums and maxima."""
+
+    awake: list[float] = field(default_factory=list)
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    idle_count: float | None = None
+    by_type: dict[str, float] = field(default_factory=dict)  # offload bytes under the older, labelled name
+    pool: float | None = None
+
+    def take(self, name: str, labels: Mapping[str, str], value: float) -> bool:
+        """True when the sample is one of these (and taken)."""
+        if name == SLEEP_STATE:
+            if labels.get("sleep_state") == "awake":
+                self.awake.append(value)
+        elif name == CACHE_CONFIG:
+            blocks = labels.get("num_gpu_blocks", "")
+            if blocks.isdigit():
+                self.pool = (self.pool or 0.0) + float(blocks)  # one series per data-parallel engine
+        elif name == OFFLOAD_BY_TYPE:
+            name = {"GPU_to_CPU": OFFLOAD_STORE_BYTES[0], "CPU_to_GPU": OFFLOAD_LOAD_BYTES[0]}.get(
+                labels.get("transfer_type", ""), name
+            )
+            self.by_type[name] = self.by_type.get(name, 0.0) + value
+        elif name.startswith(IDLE_BEFORE_EVICT):
+            if name.endswith("_bucket"):
+                self.buckets.append((float(labels.get("le", "inf")), value))
+            elif name.endswith("_count"):
+                self.idle_count = (self.idle_count or 0.0) + value
+        else:
+            return False
+        return True
+
+
 def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> EngineSample:
     """Raises ValueError on text that is not the Prometheus exposition format."""
     sums: dict[str, float] = {}
     maxes: dict[str, float] = {}
-    awake: list[float] = []
-    buckets: list[tuple[float, float]] = []
-    idle_count: float | None = None
-    by_type: dict[str, float] = {}  # offload bytes under the older, labelled name
-    pool: float | None = None
+    page = _Page()
+    tier_samples: list[tuple[str, dict[str, str], float]] = []  # every rank: engines/tiers.py decides
     families = 0
     for fam in text_string_to_metric_families(text):
         families += 1
         for s in fam.samples:
-            if not _keep(s.labels) or math.isnan(s.value):
+            if math.isnan(s.value):
                 continue
-            name = s.name
-            if name == SLEEP_STATE:
-                if s.labels.get("sleep_state") == "awake":
-                    awake.append(s.value)
+            if wanted(s.name):
+                tier_samples.append((s.name, s.labels, s.value))
+            if not _keep(s.labels) or page.take(s.name, s.labels, s.value):
                 continue
-            if name == CACHE_CONFIG:
-                blocks = s.labels.get("num_gpu_blocks", "")
-                if blocks.isdigit():
-                    pool = (pool or 0.0) + float(blocks)  # one series per data-parallel engine
-                continue
-            if name == OFFLOAD_BY_TYPE:
-                name = {"GPU_to_CPU": OFFLOAD_STORE_BYTES[0], "CPU_to_GPU": OFFLOAD_LOAD_BYTES[0]}.get(
-                    s.labels.get("transfer_type", ""), name
-                )
-                by_type[name] = by_type.get(name, 0.0) + s.value
-                continue
-            if name.startswith(IDLE_BEFORE_EVICT):
-                if name.endswith("_bucket"):
-                    buckets.append((float(s.labels.get("le", "inf")), s.value))
-                elif name.endswith("_count"):
-                    idle_count = (idle_count or 0.0) + s.value
-                continue
-            sums[name] = sums.get(name, 0.0) + s.value
-            maxes[name] = max(maxes.get(name, -math.inf), s.value)
+            sums[s.name] = sums.get(s.name, 0.0) + s.value
+            maxes[s.name] = max(maxes.get(s.name, -math.inf), s.value)
+    awake, buckets, idle_count, by_type = page.awake, page.buckets, page.idle_count, page.by_type
 
     def first(names: Iterable[str], table: Mapping[str, float]) -> float | None:
         for n in names:
@@ -129,7 +145,8 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
         offload_store_bytes=first(OFFLOAD_STORE_BYTES, {**by_type, **sums}),  # the flat name when both
         offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
         generation_tokens=first(GENERATION_TOKENS, sums),
-        pool_blocks=pool,
+        pool_blocks=page.pool,
+        tiers=read_tiers(tier_samples),
         families=families,
     )
 

@@ -89,6 +89,21 @@ class StreamStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TierReading:
+    """One number of an engine's KV tier, as the engine counts it (``engines/tiers.py``)."""
+
+    source: str  # vllm, lmcache, lmcache_mp, sglang, kvbm: whose metric names
+    tier: str  # cpu, disk, remote, storage, external, all
+    quantity: str  # stored, loaded, evicted, queried, hit (counters); hit_ratio, usage, used (gauges)
+    unit: str  # bytes, blocks, chunks, tokens, ratio
+    value: float
+
+
+TIER_COUNTERS = frozenset({"stored", "loaded", "evicted", "queried", "hit"})
+TIER_SERIES = "kv_tier:"  # + source:tier:quantity:unit, a tier counter as a series of its process
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSample:
     """One scrape. Counters are cumulative as the engine reports them; None: not exported."""
 
@@ -112,6 +127,7 @@ class EngineSample:
     offload_load_bytes: float | None = None  # ... CPU -> GPU
     generation_tokens: float | None = None  # tokens generated (decoded)
     pool_blocks: float | None = None  # GPU KV blocks the engine allocated (vLLM cache_config_info, summed over DP)
+    tiers: tuple[TierReading, ...] = ()  # the engine's own KV tier counters, in one schema
     families: int = 0
 
     def counters(self) -> dict[str, float]:
@@ -132,7 +148,11 @@ class EngineSample:
             "engine_offload_load_bytes": self.offload_load_bytes,
             "engine_generation_tokens": self.generation_tokens,
         }
-        return {k: v for k, v in names.items() if v is not None}
+        out = {k: v for k, v in names.items() if v is not None}
+        for r in self.tiers:
+            if r.quantity in TIER_COUNTERS:
+                out[f"{TIER_SERIES}{r.source}:{r.tier}:{r.quantity}:{r.unit}"] = r.value
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +211,8 @@ class EngineView:
     losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause) -> cumulative
     block_bytes: int | None = None  # bytes of one KV block, where known
     block_bytes_source: str = ""  # config / offload
+    tiers: tuple[TierReading, ...] = ()  # the engine's KV tier counters, last scrape
+    tier_hit_ratio: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (source, tier), same window
 
     @property
     def media(self) -> dict[str, MediumTotals]:

@@ -20,6 +20,7 @@ from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.engines.records import (
+    TIER_SERIES,
     EnginePlan,
     EngineSample,
     EngineView,
@@ -27,6 +28,7 @@ from kvwatch.daemon.engines.records import (
     StreamSpec,
     StreamStats,
     TargetState,
+    TierReading,
 )
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
@@ -73,6 +75,21 @@ class _Planned:
     plan: EnginePlan | None
     at: float
     sample_at: float = -1.0
+
+
+def tier_hit_ratios(t: Tracked, tiers: Iterable[TierReading], window: float) -> dict[tuple[str, str], float]:
+    """Per (source, tier): tokens found over tokens looked up, over the window, where the engine
+    counts both; else the ratio it exports itself."""
+    out: dict[tuple[str, str], float] = {}
+    for r in tiers:
+        if r.quantity == "hit_ratio":
+            out[(r.source, r.tier)] = r.value
+        elif r.quantity == "queried":
+            base = f"{TIER_SERIES}{r.source}:{r.tier}:"
+            q = t.series.delta(f"{base}queried:{r.unit}", window)
+            if q > 0 and f"{base}hit:{r.unit}" in t.series.series:
+                out[(r.source, r.tier)] = t.series.delta(f"{base}hit:{r.unit}", window) / q
+    return out
 
 
 class EngineTaps:
@@ -279,6 +296,8 @@ class EngineTaps:
         q = t.series.delta("engine_prefix_queries", window)
         hits = t.series.delta("engine_prefix_hits", window)
         streams = tuple(self._streams_of(t.key))
+        sample = st.last if st is not None else None
+        tiers = sample.tiers if sample is not None else ()
         return EngineView(
             plan=p.plan,
             streams=streams,
@@ -286,6 +305,8 @@ class EngineTaps:
             scrape_age=age,
             hit_ratio=hits / q if q > 0 else None,
             regret_ratio=regret_ratios(t, streams, window),
+            tiers=tiers,
+            tier_hit_ratio=tier_hit_ratios(t, tiers, window),
         )
 
     @property

@@ -240,14 +240,6 @@ class SimulatedVllm:
     def is_sleeping(self) -> bool:
         return self._sleep_level is not None
 
-    def _reported(self, name: str, st: PoolStats) -> int:
-        """What the engine says: the truth, or with ``underreport`` a share of its offload stores
-        (whole blocks: an engine that misses some copies, not one that miscounts their size)."""
-        v: int = getattr(st, name)
-        if name == "store_bytes" and self.store_share < 1.0:
-            v = int(v // BLOCK_BYTES * self.store_share) * BLOCK_BYTES
-        return v
-
     def set_sleep(self, level: int | None) -> None:
         self._sleep_level = level or None
         self.metrics.set_sleep(level)

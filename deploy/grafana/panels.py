@@ -368,6 +368,75 @@ ROWS: list[tuple[str, list[Graph]]] = [
                     ),
                 ],
             ),
+            Graph(
+                "Can the engine's KV counters be trusted: engine vs kvwatch, last audit window",
+                "short",
+                [
+                    (
+                        total("kvwatch_engine_metric_audit_value", f"{BY_PROC}, pair, source, unit"),
+                        "{{pid}} {{pair}} {{source}} ({{unit}})",
+                    ),
+                    (
+                        total("kvwatch_engine_metric_divergence_ratio", f"{BY_PROC}, pair"),
+                        "{{pid}} {{pair}} divergence",
+                    ),
+                    (
+                        increase("kvwatch_engine_metric_audit_windows_total", f"{BY_PROC}, pair, result"),
+                        "{{pid}} {{pair}} windows {{result}}",
+                    ),
+                ],
+            ),
+            Graph(
+                "KV tiers as the engines count them: bytes /s stored, loaded, evicted",
+                "Bps",
+                [
+                    (
+                        rate(f"kvwatch_engine_kv_tier_{m}_bytes_total", "engine, tier, source"),
+                        f"{m} {{{{tier}}}} ({{{{source}}}})",
+                    )
+                    for m in ("stored", "loaded", "evicted")
+                ],
+            ),
+            Graph(
+                "KV tiers in the engines' own units /s (blocks, chunks, tokens)",
+                "short",
+                [
+                    (
+                        rate(f"kvwatch_engine_kv_tier_{m}_units_total", "engine, tier, source, unit"),
+                        f"{m} {{{{tier}}}} {{{{unit}}}} ({{{{source}}}})",
+                    )
+                    for m in ("stored", "loaded", "evicted")
+                ],
+            ),
+            Graph(
+                "KV tiers: hit ratio, usage",
+                "percentunit",
+                [
+                    (
+                        total("kvwatch_engine_kv_tier_hit_ratio", f"{BY_PROC}, tier, source"),
+                        "hits {{tier}} ({{source}})",
+                    ),
+                    (
+                        total("kvwatch_engine_kv_tier_usage_ratio", f"{BY_PROC}, tier, source"),
+                        "usage {{tier}} ({{source}})",
+                    ),
+                    (
+                        f"{rate('kvwatch_engine_kv_tier_hit_tokens_total', 'engine, tier, source')} / "
+                        f"{rate('kvwatch_engine_kv_tier_queried_tokens_total', 'engine, tier, source')}",
+                        "hits/queried tokens {{tier}} ({{source}})",
+                    ),
+                ],
+            ),
+            Graph(
+                "KV tiers: bytes held",
+                "bytes",
+                [
+                    (
+                        total("kvwatch_engine_kv_tier_used_bytes", f"{BY_PROC}, tier, source"),
+                        "{{pid}} {{tier}} ({{source}})",
+                    )
+                ],
+            ),
         ],
     ),
 ]

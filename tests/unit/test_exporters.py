@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.engines.records import (
+    AuditRow,
     EnginePlan,
     EngineSample,
     EngineView,
@@ -25,6 +26,7 @@ from kvwatch.daemon.engines.records import (
     StreamSpec,
     StreamStats,
     TargetState,
+    TierReading,
 )
 from kvwatch.daemon.publish import CUDA_API_CLASSES
 from kvwatch.daemon.records import Alert
@@ -124,7 +126,50 @@ def engine_view() -> EngineView:
         regret_ratio={"GPU": 0.125},
         block_bytes=524_288,
         block_bytes_source="offload",
+        tiers=(
+            TierReading("vllm", "cpu", "stored", "bytes", 2_936_012_800.0),
+            TierReading("vllm", "cpu", "loaded", "bytes", 157_286_400.0),
+            TierReading("vllm", "cpu", "queried", "tokens", 30_400.0),
+            TierReading("vllm", "cpu", "hit", "tokens", 4_800.0),
+            TierReading("kvbm", "disk", "stored", "blocks", 3_812.0),
+            TierReading("kvbm", "disk", "hit_ratio", "ratio", 0.3125),
+            TierReading("lmcache_mp", "cpu", "usage", "ratio", 0.7489),
+            TierReading("lmcache_mp", "cpu", "used", "bytes", 12_884_901_893.0),
+        ),
+        tier_hit_ratio={("vllm", "cpu"): 0.125, ("kvbm", "disk"): 0.3125},
     )
+
+
+# the audit of process 4242: its offload counter reported half the bytes its CPU blocks hold, four
+# windows out of nine; its resident blocks within its pool
+AUDIT = (
+    AuditRow(
+        "offload_store_blocks",
+        "bytes",
+        "vllm:kv_offload_store_bytes",
+        "KV event stream CPU blocks stored x block size",
+        engine=52_428_800.0,
+        kvwatch=104_857_600.0,
+        divergence=-0.5,
+        diverged=True,
+        window=9,
+        windows_diverged=4,
+        window_seconds=30.0,
+    ),
+    AuditRow(
+        "resident_blocks",
+        "blocks",
+        "vllm:cache_config_info num_gpu_blocks",
+        "KV event stream GPU blocks resident",
+        engine=2048.0,
+        kvwatch=1500.0,
+        divergence=0.267578125,
+        diverged=False,
+        window=9,
+        windows_diverged=0,
+        window_seconds=30.0,
+    ),
+)
 
 
 # the ledger of process 4242: 23 GPU blocks evicted, 7 while preempting, 5 never offloaded,
@@ -200,6 +245,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 ),
                 engine=engine_view(),
                 kv_losses=LOSSES,
+                kv_audit=AUDIT,
             ),
             ProcessView(
                 key="4243@78",
