@@ -33,12 +33,14 @@ from kvwatch.daemon.nvml import Nvml
 from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.psi import PressureReader
 from kvwatch.daemon.publish import build_snapshot, process_labels
+from kvwatch.daemon.selfcost import SelfCost, account_self_cost, calibrate_in_background
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.memory import MemoryProbes
 from kvwatch.probes.records import TransferDone
+from kvwatch.probes.selfcost import BpfStats, CanaryResult
 from kvwatch.probes.transfer import TransferProbes
 
 log = structlog.get_logger("kvwatch.agent")
@@ -67,6 +69,8 @@ class Agent:
         procfs: ProcFS,
         nvml: Nvml | None = None,
         sinks: Sequence[AlertSink] | None = None,
+        canary: Callable[[], CanaryResult] | None = None,
+        bpf_stats: BpfStats | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -98,6 +102,9 @@ class Agent:
         self.engines = engines
         self.losses = LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds)
         self.audit = MetricAudit(audit_settings(config.detectors.engine_metric_divergence))
+        self.self_cost = SelfCost(config.self_cost)
+        self.canary = canary  # times a probed call at start (probes/selfcost.py)
+        self.bpf_stats = bpf_stats
         if engines is not None:
             engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
@@ -126,7 +133,12 @@ class Agent:
         self.memory_family.start()
         for family in self.families:
             family.start(self.errors)
-        if self.memory_family.probes is not None or any(f.probes is not None for f in self.families):
+        uprobes = any(f.probes is not None for f in self.families)
+        if self.bpf_stats is not None and self.config.self_cost.bpf_stats and not self.bpf_stats.enable():
+            self.errors.record("bpf_stats", "BPF statistics could not be turned on", None, reason=self.bpf_stats.error)
+        if uprobes and self.canary is not None and self.config.self_cost.calibrate:
+            calibrate_in_background(self.self_cost, self.canary)
+        if self.memory_family.probes is not None or uprobes:
             release_compiler_memory()
         if self.engines is not None:
             self.engines.start()
@@ -202,6 +214,8 @@ class Agent:
 
     def close(self) -> None:
         self.alerts.close()
+        if self.bpf_stats is not None:
+            self.bpf_stats.close()
         if self.engines is not None:
             self.engines.close()
         for family in self.families:
@@ -228,6 +242,7 @@ class Agent:
             ("sample", lambda: self._ingest(now)),
             ("losses", lambda: self._account_losses(now)),
             ("audit", lambda: self._audit(now)),
+            ("self_cost", lambda: self._self_cost(now)),
         ):
             try:
                 step()
@@ -290,6 +305,11 @@ class Agent:
         engines = self.engines
         if engines is not None:
             self.audit.update(((t.key, t.series) for t in self.tracker.tracked() if engines.tapped(t)), now)
+
+    def _self_cost(self, now: float) -> None:
+        stats_on = self.bpf_stats is not None and self.bpf_stats.active
+        memory = self.memory_family.probes.program if self.memory_family.probes is not None else None
+        account_self_cost(self.self_cost, self.families, memory, self.tracker.tracked(), self.procfs, stats_on, now)
 
     def _account_oom(self) -> None:
         oom = self.memory_family.pending_oom_events()  # those since the detectors last took them

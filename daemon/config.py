@@ -129,6 +129,20 @@ class ProbesConfig(_Section):
         return v
 
 
+class SelfCostConfig(_Section):
+    """What kvwatch's probes cost the watched processes, and the budget it keeps to."""
+
+    bpf_stats: bool = False  # may kvwatch turn the kernel's BPF run-time statistics on while it runs
+    calibrate: bool = True  # time a canary uprobe at start: the per-call cost of a probed call
+    call_cost_ns: NonNegFloat = 0.0  # a fixed per-call cost instead of the canary's (0: measured)
+    budget: Annotated[float, Field(ge=0, le=1)] = 0.01  # of a process's CPU time; 0: never shed
+    floor_ms_per_second: NonNegFloat = 1.0  # a window costing less than this is within budget
+    window_seconds: PositiveFloat = 5.0
+    windows: Annotated[int, Field(ge=1)] = 3  # over budget this many windows in a row: shed
+    backoff_seconds: PositiveFloat = 60.0  # shed this long, then attached again (doubling while it recurs)
+    backoff_max_seconds: PositiveFloat = 960.0
+
+
 class TransfersConfig(_Section):
     """The link KV transfers cross, to report bandwidth as a share of it."""
 
@@ -322,6 +336,7 @@ class Config(_Section):
     kv_tiers: KVTiersConfig = KVTiersConfig()
     probes: ProbesConfig = ProbesConfig()
     transfers: TransfersConfig = TransfersConfig()
+    self_cost: SelfCostConfig = SelfCostConfig()
     engines: EnginesConfig = EnginesConfig()
     detectors: DetectorsConfig = DetectorsConfig()
     alerts: AlertsConfig = AlertsConfig()

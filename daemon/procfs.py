@@ -48,6 +48,7 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
+    cpu_ticks: int = 0  # user + system time, in clock ticks
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,7 @@ class ProcFS:
                 state=rest[0],
                 ppid=int(rest[1]),
                 start_ticks=int(rest[19]),
+                cpu_ticks=int(rest[11]) + int(rest[12]),
             )
         except (IndexError, ValueError) as err:
             raise ProcessGone(f"pid {pid}: malformed stat") from err

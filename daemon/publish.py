@@ -167,9 +167,14 @@ def _process_views(agent: Agent) -> tuple[ProcessView, ...]:
             engine=_engine_view(agent, t, window),
             kv_losses=_losses(agent, t),
             kv_audit=agent.audit.rows.get(t.key, ()),
+            uprobe_costs=agent.self_cost.costs(t.key, _shed(agent, t.pid)),
         )
         for t in agent.tracker.tracked()
     )
+
+
+def _shed(agent: Agent, pid: int) -> dict[str, bool]:
+    return {f.name: f.tracker.is_shed(pid) for f in agent.families if f.tracker is not None}
 
 
 def _engine_view(agent: Agent, t: Tracked, window: float) -> EngineView | None:
@@ -242,4 +247,5 @@ def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
         ),
         alertmanager=agent.alerts.sink_stats(),
         departed_losses=tuple((labels, led.totals()) for _, labels, led in agent.losses.departed.values()),
+        self_cost=agent.self_cost.view(f.name for f in agent.families if f.tracker is not None),
     )

@@ -30,3 +30,34 @@ class Alert:
     values: Mapping[str, float]
     summary: str
     ended_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyCost:
+    """What one uprobe family's probes cost one watched process (``daemon/selfcost.py``)."""
+
+    family: str  # cuda / transfer
+    cost_seconds: float  # estimated, cumulative: probed calls x the per-call cost
+    ratio: float | None  # of the process's CPU time, over the last judged window
+    shed: bool  # its probes detached by the budget's circuit breaker
+    sheds: int  # times they were
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramRuns:
+    family: str  # memory / cuda / transfer
+    program: str  # the BPF function
+    run_seconds: float  # kernel-side, while BPF statistics were on
+    runs: int
+
+
+@dataclass(frozen=True, slots=True)
+class SelfCostView:
+    """The node's side of the self-cost meter."""
+
+    bpf_stats: bool  # the kernel's BPF run-time statistics are on
+    canary_call_ns: float | None  # a probed call's cost to its caller, timed at start
+    call_ns: Mapping[str, float]  # per family: the per-call cost the meter uses
+    call_ns_source: str  # canary / canary+bpf_stats / config
+    programs: tuple[ProgramRuns, ...] = ()
+    sheds: Mapping[str, int] | None = None  # per family, since start

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.engines.records import AuditRow, EngineView, LossTotal
-from kvwatch.daemon.records import Alert
+from kvwatch.daemon.records import Alert, FamilyCost, SelfCostView
 from kvwatch.probes.records import ApiCounters, XferCounters
 
 
@@ -58,6 +58,7 @@ class ProcessView:
     engine: EngineView | None = None  # KV event streams and /metrics of this engine process
     kv_losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause): the ledger
     kv_audit: tuple[AuditRow, ...] = ()  # the KV metric-truth audit: engine counter vs kvwatch's evidence
+    uprobe_costs: tuple[FamilyCost, ...] = ()  # what kvwatch's uprobes cost this process, per family
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class Snapshot:
     alertmanager: Mapping[str, int] | None = None  # sent / failed / dropped, when the direct sink is on
     # the loss ledgers of processes gone within engines.loss_linger_seconds: (labels, rows)
     departed_losses: tuple[tuple[Mapping[str, str], Mapping[tuple[str, str], LossTotal]], ...] = ()
+    self_cost: SelfCostView | None = None
 
     @staticmethod
     def empty(reason: str = "starting") -> Snapshot:

@@ -27,6 +27,7 @@ from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.bpf import bcc_version
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
+from kvwatch.probes.selfcost import BpfStats, UprobeCanary
 from kvwatch.probes.transfer import TransferProbeOptions, TransferProbes
 
 log = structlog.get_logger("kvwatch")
@@ -87,6 +88,8 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
         procfs=procfs,
         nvml=nvml,
         sinks=all_sinks,
+        canary=UprobeCanary().measure if use_bpf else None,
+        bpf_stats=BpfStats() if use_bpf else None,
     )
 
 

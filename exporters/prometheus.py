@@ -21,6 +21,7 @@ from kvwatch.exporters import (
     prom_engines,
     prom_losses,
     prom_memory,
+    prom_selfcost,
     prom_tiers,
     prom_transfers,
 )
@@ -68,6 +69,7 @@ class SnapshotCollector(Collector):
         yield from prom_alerts.active_family(s)
         yield from prom_alerts.alertmanager_family(s)
         yield from prom_agent.uprobe_release_family(s)
+        yield from prom_selfcost.self_cost_families(s)
         yield from prom_alerts.fired_family(s)
         yield from prom_memory.psi_family(s)
 

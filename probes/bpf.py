@@ -173,6 +173,15 @@ class Program:
         return None if fn is None else fdinfo_field(fn.fd, key)
 
     # --- maps ----------------------------------------------------------------------
+    def run_stats(self) -> dict[str, tuple[int, int]]:
+        """Per loaded BPF function: (run_time_ns, run_cnt) since the load, as the kernel keeps
+        them while BPF statistics are on (``kernel.bpf_stats_enabled``); zeros while off."""
+        out: dict[str, tuple[int, int]] = {}
+        for name, fn in list(self._bpf.funcs.items()):
+            ns, cnt = fdinfo_field(fn.fd, "run_time_ns"), fdinfo_field(fn.fd, "run_cnt")
+            out[name.decode() if isinstance(name, bytes) else str(name)] = (int(ns or 0), int(cnt or 0))
+        return out
+
     def table(self, name: str) -> Table:
         """The map called ``name``; bcc rebuilds key/leaf types on every get_table (half a
         millisecond), so handles are kept for the program's life."""
@@ -207,6 +216,24 @@ class Program:
             self._closer.shutdown(wait=True)
             self._closer = None
         self._bpf.cleanup()
+
+
+_SYS_BPF = 321  # x86_64
+_BPF_ENABLE_STATS = 32
+_BPF_STATS_RUN_TIME = 0
+
+
+def enable_bpf_stats() -> int:
+    """Turn the kernel's BPF run-time statistics on for as long as the returned descriptor is
+    open (``BPF_ENABLE_STATS``: the kernel counts holders and turns them off when the last one
+    closes, crash included, so nothing is left to restore). Raises OSError when refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = (ctypes.c_uint32 * 32)(_BPF_STATS_RUN_TIME)  # union bpf_attr: enable_stats.type first
+    fd = int(libc.syscall(_SYS_BPF, _BPF_ENABLE_STATS, ctypes.byref(attr), ctypes.sizeof(attr)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"BPF_ENABLE_STATS: {os.strerror(err)}")
+    return fd
 
 
 def fdinfo_field(fd: int, key: str) -> str | None:

@@ -15,6 +15,7 @@ class HookState(Enum):
     DISABLED = "disabled"  # switched off in config
     MISSING = "missing"  # the kernel lacks the tracepoint / the library lacks the symbol
     FAILED = "failed"  # the kernel refused it
+    SHED = "shed"  # detached by kvwatch's cost budget, attached again after a back-off
 
 
 @dataclass(frozen=True, slots=True)

@@ -204,12 +204,15 @@ class PerProcessUprobes(Generic[E]):
             return SymbolAttach(lib.path, api.label, HookState.FAILED, err.reason)
         return SymbolAttach(lib.path, api.label, HookState.ATTACHED)
 
-    def detach(self, pid: int) -> int:
+    def detach(self, pid: int, *, keep_counters: bool = False) -> int:
+        """Detach every probe of ``pid``; its in-kernel counters go too unless ``keep_counters``
+        (probes shed by the cost budget: the counts resume from where they were)."""
         att = self.attachments.pop(pid, None)
         if att is None:
             return 0
         n = sum(1 for ev in att.events if self.program.detach_uprobe_event(ev))
-        self.forget_counters(pid)
+        if not keep_counters:
+            self.forget_counters(pid)
         return n
 
     def settle(self, timeout: float | None = None) -> None:

@@ -13,6 +13,7 @@ from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.preemption_livelock import PreemptionLivelock
 from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
 from kvwatch.daemon.detectors.probe_down import ProbeDown
+from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView
@@ -39,4 +40,5 @@ def build_detectors(config: DetectorsConfig, link_bytes_per_second: float) -> li
         EngineMetricDivergence(config.engine_metric_divergence),
         OOMKilled(config.oom),
         ProbeDown(),
+        ProbeShed(),
     ]

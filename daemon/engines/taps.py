@@ -236,7 +236,7 @@ class EngineTaps:
                 acc[0] += t.series.last("cuda_copy_d2h_bytes")
                 acc[1] += t.series.last("cuda_copy_h2d_bytes")
                 acc[2] += 1.0
-                acc[3] += t.series.gauge("cuda_shed")
+                acc[3] += t.series.gauge("uprobes_shed:cuda")
         for t in tracked:  # the copies of the engine's processes, summed on the tapped one (the audit's)
             if t.key in copies:
                 d2h, h2d, probed, shed = copies[t.key]

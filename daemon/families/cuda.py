@@ -101,6 +101,12 @@ class CudaTracker(FamilyTracker):
             return None if pid not in self.attached else cuda_series(ProcessCuda(apis={}))
         return cuda_series(c)
 
+    def calls(self, pid: int) -> float | None:
+        c = self._counters.get(pid)
+        if c is None:
+            return None if pid not in self.attached else 0.0
+        return float(sum(a.ok + a.err for a in c.apis.values()))
+
     def state(self, pid: int) -> CudaProcessState | None:
         a = self.attached.get(pid)
         att = self.probes.attachments.get(pid)

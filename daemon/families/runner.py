@@ -22,6 +22,8 @@ from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.uprobes import PerProcessUprobes
 
+UPROBE_CALLS = "uprobe_calls:"  # + family: a process's probed calls, cumulative
+UPROBES_SHED = "uprobes_shed:"  # + family: 1 while the cost budget has its probes detached
 P = TypeVar("P", bound=PerProcessUprobes[Any])
 T = TypeVar("T", bound=FamilyTracker)
 
@@ -110,8 +112,13 @@ class UprobeFamily(Generic[P, T]):
             if values is not None:
                 if extra is not None:
                     values.update(extra(t.pid))
+                calls = self.tracker.calls(t.pid)
+                if calls is not None:
+                    values[f"{UPROBE_CALLS}{self.name}"] = calls
                 t.series.add(now, values)
-                t.series.set_gauges(self.tracker.gauges(t.pid))
+                gauges = self.tracker.gauges(t.pid)
+                gauges[f"{UPROBES_SHED}{self.name}"] = float(self.tracker.is_shed(t.pid))
+                t.series.set_gauges(gauges)
 
     def not_ready(self) -> str | None:
         if self.enabled and self.probes is None:

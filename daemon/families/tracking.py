@@ -42,18 +42,35 @@ class FamilyTracker:
         self.attached: dict[int, Attached] = {}
         self.hits: dict[str, int] = {}
         self.lost: dict[str, int] = {}
+        self.shed_requests: dict[int, float] = {}  # pid -> back-off seconds (the loop asks)
+        self.shed_until: dict[int, float] = {}  # pid -> when its probes are attached again
+        self.sheds = 0
+
+    def request_shed(self, pid: int, backoff: float) -> None:
+        """From the loop: detach ``pid``'s probes (keeping its counts) for ``backoff`` seconds."""
+        self.shed_requests[pid] = backoff
+
+    def is_shed(self, pid: int) -> bool:
+        return pid in self.shed_until or pid in self.shed_requests
 
     def sync(self, tracked: Iterable[Tracked]) -> None:
-        """Attach to new processes, rescan due ones, detach the gone."""
+        """Attach to new processes, rescan due ones, detach the gone, shed and re-attach."""
         now = self.clock()
         alive = {t.pid: t for t in tracked if t.exited_at is None}
         for pid, a in list(self.attached.items()):  # copies: the loop thread reads these dicts
             t = alive.get(pid)
             if t is None or t.proc.identity != a.identity:
                 self.detach(pid)
+        self._shed(now)
         for pid, t in alive.items():
             known = self.attached.get(pid)
-            if known is not None and now < known.next_rescan:
+            until = self.shed_until.get(pid)
+            if until is not None:
+                if now < until:
+                    continue
+                del self.shed_until[pid]
+                log.info(f"{self.family} probes attached again after shedding", pid=pid)
+            elif known is not None and now < known.next_rescan:
                 continue
             if known is None:
                 known = self.attached[pid] = self.new_attached(t.proc.identity, now)
@@ -98,6 +115,19 @@ class FamilyTracker:
                         f"{fam}_symbol_failed", f"{fam} symbol refused", None, api=s.api, reason=s.reason
                     )
 
+    def _shed(self, now: float) -> None:
+        for pid in list(self.shed_requests):
+            backoff = self.shed_requests.pop(pid)
+            if pid not in self.attached or pid in self.shed_until:
+                continue
+            try:
+                self.probes.detach(pid, keep_counters=True)
+            except Exception as err:
+                self.errors.record(f"{self.family}_shed", f"{self.family} shed failed", err, pid=pid)
+            self.shed_until[pid] = now + backoff
+            self.sheds += 1
+            log.warning(f"{self.family} probes shed: over the cost budget", pid=pid, backoff_seconds=backoff)
+
     def detach(self, pid: int) -> None:
         try:
             self.probes.detach(pid)
@@ -107,6 +137,12 @@ class FamilyTracker:
 
     def forget(self, pid: int) -> None:
         self.attached.pop(pid, None)
+        self.shed_until.pop(pid, None)
+        self.shed_requests.pop(pid, None)
+
+    def calls(self, pid: int) -> float | None:
+        """Calls the family's probes trapped in ``pid`` (each an entry and a return), cumulative (override)."""
+        return None
 
     def api_states(self) -> dict[str, HookState]:
         """Per API: attached in at least one process, else why not (for the probe table)."""
@@ -115,7 +151,8 @@ class FamilyTracker:
             for s in att.symbols:
                 if s.state is HookState.ATTACHED or s.api not in out:
                     out[s.api] = s.state
-        return {a.label: out.get(a.label, HookState.MISSING) for a in self.probes.apis}
+        missing = HookState.SHED if self.shed_until else HookState.MISSING  # attached nowhere: shed?
+        return {a.label: out.get(a.label, missing) for a in self.probes.apis}
 
     def ingest(self) -> None:
         """Read the family's events and counters, once a tick (override)."""

@@ -84,6 +84,14 @@ class TransferTracker(FamilyTracker):
         self.hits, self.lost = sample.hits, {f"transfer_{k}": v for k, v in sample.lost.items()}
         self.pending = sample.pending
 
+    def calls(self, pid: int) -> float | None:
+        if pid not in self.attached:
+            return None
+        c = self._counters.get(pid)
+        if c is None:
+            return 0.0
+        return float(sum(x.calls for x in c.xfers.values()) + c.reg_calls + c.dereg_calls)
+
     def series(self, pid: int) -> dict[str, float] | None:
         if pid not in self.attached:
             return None

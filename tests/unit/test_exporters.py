@@ -29,7 +29,7 @@ from kvwatch.daemon.engines.records import (
     TierReading,
 )
 from kvwatch.daemon.publish import CUDA_API_CLASSES
-from kvwatch.daemon.records import Alert
+from kvwatch.daemon.records import Alert, FamilyCost, ProgramRuns, SelfCostView
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
@@ -246,6 +246,10 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 engine=engine_view(),
                 kv_losses=LOSSES,
                 kv_audit=AUDIT,
+                uprobe_costs=(
+                    FamilyCost("cuda", 0.4375, 0.0125, True, 2),
+                    FamilyCost("transfer", 0.0625, 0.0125, False, 0),
+                ),
             ),
             ProcessView(
                 key="4243@78",
@@ -303,6 +307,17 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
         psi_memory_some_avg10=1.5,
         link_bytes_per_second=50e9,
         transfers_pending=3,
+        self_cost=SelfCostView(
+            bpf_stats=True,
+            canary_call_ns=1510.0,
+            call_ns={"cuda": 1734.5, "transfer": 1620.0},
+            call_ns_source="canary+bpf_stats",
+            programs=(
+                ProgramRuns("memory", "tracepoint__kmem__mm_page_free", 0.0723, 2_000_003),
+                ProgramRuns("cuda", "kvw_enter_cudaMalloc", 0.0000611, 523),
+            ),
+            sheds={"cuda": 2},
+        ),
     )
 
 
