@@ -265,7 +265,7 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
             cpu = procfs.stat(t.pid).cpu_ticks / CLK_TCK
         except ProcError:
             continue
-        shed = {n: f.tracker.is_shed(t.pid) for n, f in fams.items() if f.tracker is not None}
+        shed = {n: f.tracker.shedding(t.pid) for n, f in fams.items() if f.tracker is not None}
         samples.append((t, Sample(t.key, t.pid, cpu, calls, shed)))
     for pid, name, backoff in meter.update((s for _, s in samples), now):
         tracker = fams[name].tracker

@@ -237,6 +237,7 @@ class CudaProbes(PerProcessUprobes[CudaEvent]):
     mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"cuda_event_t": _RawEvent}
     process_maps: ClassVar[Sequence[str]] = ("api_stats", "ledger", "host_ranges")
     process_map = "proc_cuda"
+    thread_maps: ClassVar[Sequence[str]] = ("inflight",)
 
     def __init__(
         self,

@@ -175,6 +175,7 @@ class TransferProbes(PerProcessUprobes[TransferDone]):
     mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"xfer_event_t": _RawEvent}
     process_maps: ClassVar[Sequence[str]] = ("xfer_stats", "peers", "pending", "mr_ledger")
     process_map = "proc_xfer"
+    thread_maps: ClassVar[Sequence[str]] = ("call_inflight", "post_inflight", "status_inflight")
 
     def __init__(
         self,

@@ -89,6 +89,7 @@ class PerProcessUprobes(Generic[E]):
     mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {}  # C struct name -> its ctypes mirror
     process_maps: ClassVar[Sequence[str]] = ()  # maps whose key struct has a tgid field
     process_map: ClassVar[str] = ""  # the map keyed by the TGID alone
+    thread_maps: ClassVar[Sequence[str]] = ()  # calls in flight, keyed by pid_tgid (TGID in the high half)
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = proc_root
@@ -193,7 +194,10 @@ class PerProcessUprobes(Generic[E]):
         if addr is None:
             return SymbolAttach(lib.path, api.label, HookState.MISSING, f"no {api.symbol} in {lib.name}")
         try:
-            for retprobe, fn in ((False, f"kvw_enter_{api.fn}"), (True, f"kvw_return_{api.fn}")):
+            # the return probe first: an entry probe without its return, on a call running while
+            # they attach, would leave the thread a call in flight that never returns, and take
+            # its later calls for calls nested beneath it until the record is stale
+            for retprobe, fn in ((True, f"kvw_return_{api.fn}"), (False, f"kvw_enter_{api.fn}")):
                 ev = self.program.attach_uprobe(api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe)
                 if ev:
                     att.events.append(ev)
@@ -219,6 +223,16 @@ class PerProcessUprobes(Generic[E]):
         """Wait until every detached probe is released by the kernel (detach returns first;
         measurements that compare attached with detached need the probes really gone)."""
         self.program.wait_releases(timeout)
+
+    def forget_threads(self, tgid: int) -> None:
+        """Drop the calls of a process left in flight by probes detached while they ran: their
+        returns were never seen, and an entry would take each for a call nested beneath it."""
+        prog = self.program
+        for name in self.thread_maps:
+            table = prog.table(name)
+            for k in [k for k in table if k.value >> 32 == tgid]:
+                with contextlib.suppress(KeyError):
+                    del table[k]
 
     def forget_counters(self, tgid: int) -> None:
         """Drop the family's in-kernel counters of a process."""

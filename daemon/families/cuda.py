@@ -108,16 +108,17 @@ class CudaTracker(FamilyTracker):
         return float(sum(a.ok + a.err for a in c.apis.values()))
 
     def state(self, pid: int) -> CudaProcessState | None:
+        """Also while its probes are shed: the counts stand still, nothing is attached."""
         a = self.attached.get(pid)
         att = self.probes.attachments.get(pid)
-        if not isinstance(a, _Attached) or att is None:
+        if not isinstance(a, _Attached) or (att is None and not self.is_shed(pid)):
             return None
         return CudaProcessState(
             counters=self._counters.get(pid),
             failures=dict(a.failures),
-            symbols_attached=att.attached,
-            libraries=tuple(lib.path for lib in att.libraries.values()),
-            ucx=att.ucx,
+            symbols_attached=att.attached if att is not None else 0,
+            libraries=tuple(lib.path for lib in att.libraries.values()) if att is not None else (),
+            ucx=att.ucx if att is not None else False,
         )
 
 

@@ -51,6 +51,11 @@ class FamilyTracker:
         self.shed_requests[pid] = backoff
 
     def is_shed(self, pid: int) -> bool:
+        """Its probes are detached by the budget now."""
+        return pid in self.shed_until
+
+    def shedding(self, pid: int) -> bool:
+        """Shed, or asked to be and the attacher has not got to it yet."""
         return pid in self.shed_until or pid in self.shed_requests
 
     def sync(self, tracked: Iterable[Tracked]) -> None:
@@ -66,9 +71,13 @@ class FamilyTracker:
             known = self.attached.get(pid)
             until = self.shed_until.get(pid)
             if until is not None:
-                if now < until:
+                # attached again only once the kernel released the shed probes: a probe opened
+                # on a function while an earlier one there is being released in the same
+                # process was seen to stay silent (breakpoints taken out under it)
+                if now < until or self.probes.program.pending_releases():
                     continue
                 del self.shed_until[pid]
+                self.probes.forget_threads(pid)
                 log.info(f"{self.family} probes attached again after shedding", pid=pid)
             elif known is not None and now < known.next_rescan:
                 continue
@@ -120,11 +129,11 @@ class FamilyTracker:
             backoff = self.shed_requests.pop(pid)
             if pid not in self.attached or pid in self.shed_until:
                 continue
+            self.shed_until[pid] = now + backoff  # first: the loop reads it while the detach runs
             try:
                 self.probes.detach(pid, keep_counters=True)
             except Exception as err:
                 self.errors.record(f"{self.family}_shed", f"{self.family} shed failed", err, pid=pid)
-            self.shed_until[pid] = now + backoff
             self.sheds += 1
             log.warning(f"{self.family} probes shed: over the cost budget", pid=pid, backoff_seconds=backoff)
 

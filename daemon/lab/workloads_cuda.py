@@ -131,8 +131,9 @@ CUDA_STEPS = {
 
 
 def cmd_cuda(args: argparse.Namespace) -> None:
-    """Phases on stdin: each line "PATTERN RATE SECONDS" runs that allocator pattern at RATE
-    steps/s for SECONDS, then answers "done"; "quit" ends."""
+    """Phases on stdin: each line "PATTERN RATE SECONDS" runs round(RATE x SECONDS) steps of that
+    allocator pattern (at least one), paced at RATE steps/s, then answers "done"; "quit" ends.
+    The number of steps never depends on how fast the machine is (a test counts them)."""
     cu = _Cuda(Path(args.lib_dir))
     cache: list[int] = []
     for _ in range(args.prealloc):
@@ -147,9 +148,8 @@ def cmd_cuda(args: argparse.Namespace) -> None:
             return
         pattern, rate, seconds = line[0], float(line[1]), float(line[2])
         period = 1.0 / rate if rate > 0 else seconds
-        end = time.monotonic() + seconds
         nxt = time.monotonic()
-        while time.monotonic() < end:
+        for _ in range(max(1, round(rate * seconds))):
             CUDA_STEPS[pattern](cu, cache, i)
             i += 1
             nxt += period
@@ -157,9 +157,20 @@ def cmd_cuda(args: argparse.Namespace) -> None:
         _say("done")
 
 
-def cmd_cudacalls(args: argparse.Namespace) -> None:
+def _spin(rt: ctypes.CDLL, seconds: float) -> int:
+    rt.cudaMemcpyAsync.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for _ in range(1000):
+            rt.cudaMemcpyAsync(None, None, PAGE, 1, None)
+        n += 1000
+    return n
+
+
+def cmd_cudacalls(args: argparse.Namespace) -> None:  # noqa: PLR0912 - one branch per command
     """Exact numbers of CUDA runtime calls through a given libcudart (real or stub).
-    Lines: "call N" (N cudaMalloc then N cudaFree; "calllast N" through the library
+    Lines: "spin SECONDS" (copies back to back, answering "done N"),
+    "call N" (N cudaMalloc then N cudaFree; "calllast N" through the library
     loaded last), "load PATH" (dlopen another
     library later), "unload" (dlclose it), "map PATH" (mmap any file), "quit"."""
     libs = [ctypes.CDLL(args.lib)]
@@ -182,6 +193,21 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
             for ptr in ptrs:
                 rt.cudaFree(ctypes.c_void_p(ptr))
             _say(f"done {ok} {first_rc}")
+        elif words[0] == "spin":  # spin SECONDS: cudaMemcpyAsync of 4 KiB host->device, back to back
+            rt = libs[0]
+            rt.cudaMemcpyAsync.argtypes = (
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            )
+            end, n = time.monotonic() + float(words[1]), 0
+            while time.monotonic() < end:
+                for _ in range(1000):
+                    rt.cudaMemcpyAsync(None, None, PAGE, 1, None)
+                n += 1000
+            _say(f"done {n}")
         elif words[0] == "copy":  # copy KIND N SIZE: N cudaMemcpyAsync of SIZE bytes in direction KIND
             rt = libs[0]
             kind, n, size = int(words[1]), int(words[2]), int(words[3])

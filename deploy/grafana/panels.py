@@ -96,6 +96,30 @@ ROWS: list[tuple[str, list[Graph]]] = [
             Graph("Probe hits /s", "short", [(rate("kvwatch_probe_hits_total", "probe", NODE), "{{probe}}")]),
             Graph("Events lost /s", "short", [(rate("kvwatch_events_lost_total", "source", NODE), "{{source}}")]),
             Graph("Uprobe releases pending", "short", [(sel("kvwatch_uprobe_releases_pending"), "{{instance}}")]),
+            Graph(
+                "What kvwatch's uprobes cost each process (share of its CPU), shed by the budget",
+                "percentunit",
+                [
+                    (total("kvwatch_uprobe_cost_ratio", BY_PROC), "{{pid}} cost"),
+                    (rate("kvwatch_uprobe_cost_seconds_total", f"{BY_PROC}, family"), "{{pid}} {{family}} s/s"),
+                    (total("kvwatch_uprobes_shed", f"{BY_PROC}, family"), "{{pid}} {{family}} shed"),
+                    (increase("kvwatch_uprobe_sheds_total", "family", NODE), "sheds {{family}}"),
+                ],
+            ),
+            Graph(
+                "Per-call cost of a probed call; BPF program time per run (live, BPF statistics)",
+                "s",
+                [
+                    (sel("kvwatch_uprobe_call_cost_seconds"), "call {{family}} ({{source}})"),
+                    (sel("kvwatch_uprobe_canary_call_seconds"), "canary"),
+                    (
+                        f"{rate('kvwatch_probe_run_seconds_total', 'family, program', NODE)} / "
+                        f"{rate('kvwatch_probe_runs_total', 'family, program', NODE)}",
+                        "{{family}} {{program}}",
+                    ),
+                    (sel("kvwatch_bpf_stats_enabled"), "BPF statistics on"),
+                ],
+            ),
             Graph("Errors /s", "short", [(rate("kvwatch_errors_total", "kind", NODE), "{{kind}}")]),
             Graph(
                 "Alertmanager sink",

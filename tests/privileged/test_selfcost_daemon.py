@@ -1,0 +1,82 @@
+"""`kvwatch run`'s self-cost meter and circuit breaker on the real kernel, with the stub CUDA
+runtime: copies back to back cost the process far more than a 1 % budget (each probed call
+~1.5 us of traps against ~0.1 us of work), so the CUDA uprobes are shed for it, KVWatchProbeShed
+fires, and they come back after the back-off; while attached, every call is counted exactly.
+The kernel's BPF statistics are on (self_cost.bpf_stats) and count the same calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvwatch.daemon.lab.workloads import workload_rule
+
+from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_until
+
+CONFIG = rf"""
+[daemon]
+tick_seconds = 0.5
+[discovery]
+interval_seconds = 0.5
+rules = [{workload_rule("stubengine", "cudacalls")}]
+[probes]
+memory = ["lifecycle"]
+cuda_rescan_seconds = 1
+transfer = false
+[self_cost]
+bpf_stats = true
+budget = 0.01
+window_seconds = 1
+windows = 2
+backoff_seconds = 3
+"""
+COPY = "cudaMemcpyAsync"
+
+
+def call(w: Child, line: str) -> str:
+    w.send(line)
+    return w.reply()
+
+
+def copies(d: DaemonProcess, pid: int) -> float:
+    return d.value("kvwatch_cuda_copy_calls_total", pid=str(pid), api=COPY)
+
+
+def shed(d: DaemonProcess, pid: int) -> float:
+    return d.value("kvwatch_uprobes_shed", pid=str(pid), family="cuda")
+
+
+def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, stub: Path) -> None:
+    with daemon(tmp_path, CONFIG) as d, Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
+        w.expect("ready")
+        pid = str(w.pid)
+        wait_until(lambda: d.value("kvwatch_cuda_probes_attached", pid=pid) > 0, 15, "CUDA probes attached")
+        wait_until(lambda: d.value("kvwatch_uprobe_canary_call_seconds") > 0, 30, "canary timed")
+        assert d.value("kvwatch_bpf_stats_enabled") == 1
+        assert call(w, "copy 1 23 4096") == "done 23 0"
+        assert settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30) == 23
+
+        w.send("spin 20")  # ~1.5 us of traps per call: far over 1 %
+        wait_until(lambda: shed(d, w.pid) == 1, 30, "CUDA uprobes shed")
+        m = DaemonProcess.value_in(d.metrics())
+        assert m("kvwatch_uprobe_cost_ratio", pid=pid) > 0.01
+        assert m("kvwatch_cuda_probes_attached", pid=pid) == 0
+        assert m("kvwatch_uprobe_sheds_total", family="cuda") >= 1
+        assert m("kvwatch_alert_active", alert="KVWatchProbeShed", pid=pid, cause="cuda") == 1
+        assert m("kvwatch_probe_attached", family="cuda", probe=COPY, state="shed") == 0
+        spun = int(w.reply().split()[1])
+        counted = settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30)
+        assert 23 < counted < 23 + spun  # counted until shed (and while attached again in between)
+
+        # the spin is over: attached again after the back-off, and it stays attached
+        wait_until(lambda: shed(d, w.pid) == 0 and d.value("kvwatch_cuda_probes_attached", pid=pid) > 0, 60, "back")
+        before = settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30)
+        assert call(w, "copy 1 29 4096") == "done 29 0"
+        assert settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30) == before + 29
+        m = DaemonProcess.value_in(d.metrics())
+        assert m("kvwatch_uprobes_shed", pid=pid, family="cuda") == 0
+        assert m("kvwatch_alert_active", alert="KVWatchProbeShed", pid=pid) == 0
+        assert m("kvwatch_alerts_fired_total", alert="KVWatchProbeShed") >= 1
+        # the kernel ran the entry program once per counted call and knows how long it took
+        runs = m("kvwatch_probe_runs_total", family="cuda", program=f"kvw_enter_{COPY}")
+        assert runs >= before + 29 and m("kvwatch_probe_run_seconds_total", family="cuda") > 0
+        assert m("kvwatch_uprobe_cost_seconds_total", pid=pid, family="cuda") > 0
