@@ -89,8 +89,13 @@ QUICK = {"noprefix": 30, "steady": 30, "warm_after_start": 30, "pressure": 15, "
 # The tiny model's KV pool is 1 GiB (2,048 blocks) on a 141 GB GPU: below the default 10 % that
 # tells KVCacheReuseCollapse the pool is allocated, it would never be warm, and "no alert through
 # sleep and wake-up" would prove nothing. The pool marker is lowered for this run; all else default.
-FULL_SETS = ("detectors.reuse_collapse.kv_pool_fraction=0.005",)
+AUDIT_SETS = (  # the metric-truth audit in 10 s windows (3 in a row fire), the kernel's BPF statistics on
+    "detectors.engine_metric_divergence.window_seconds=10",
+    "self_cost.bpf_stats=true",
+)
+FULL_SETS = ("detectors.reuse_collapse.kv_pool_fraction=0.005", *AUDIT_SETS)
 QUICK_SETS = (  # the dry run: detectors warm in seconds, not minutes
+    *AUDIT_SETS,
     "detectors.eviction_burst.warmup_seconds=10",
     "detectors.eviction_burst.baseline_min_seconds=10",
     "detectors.eviction_burst.quiet_after_reset_seconds=20",
@@ -277,6 +282,7 @@ def plan_first(r: Run) -> State:
         r.stop_pollers()
         r.results["alerts_1"] = checks.alerts(WORK / "kvwatch.log")
         r.results["ledger_1"] = checks.ledger(kvwatch_samples(), str(st.pids["vllm"]))
+        r.results["trust_1"] = checks.trust(kvwatch_samples())
         r.dump_requests("requests_1.jsonl.gz")
         r.save("validation_1.json", st)
         r.pack_logs("logs_1.tar.gz")

@@ -135,6 +135,26 @@ def ledger(kv: list[Sample], api: str) -> dict[str, Any]:
     return {"rows": out, "block_bytes": sizes}
 
 
+TRUST = (
+    "kvwatch_engine_metric_audit_value",
+    "kvwatch_engine_metric_divergence_ratio",
+    "kvwatch_engine_metric_audit_windows_total",
+    "kvwatch_engine_kv_tier_",
+    "kvwatch_uprobe",
+    "kvwatch_bpf_stats_enabled",
+    "kvwatch_probe_run",
+)
+
+
+def trust(kv: list[Sample]) -> list[tuple[str, dict[str, str], float]]:
+    """The metric-truth audit's pairs, the engine's KV tiers and what kvwatch's probes cost, as read."""
+    return [
+        (n, {k: v for k, v in labels.items() if k not in ("container", "pod", "role")}, v)
+        for n, labels, v in kv
+        if n.startswith(TRUST)
+    ]
+
+
 def alerts(log: Path) -> list[dict[str, Any]]:
     return _alerts(log)
 

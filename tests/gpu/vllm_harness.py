@@ -329,6 +329,9 @@ KVWATCH_KEEP = (
     "kvwatch_kv_block_bytes",
     "kvwatch_kv_blocks_regretted_total",
     "kvwatch_kv_blocks_restored_total",
+    "kvwatch_uprobe",
+    "kvwatch_probe_run",
+    "kvwatch_bpf_stats_enabled",
 )
 
 
