@@ -39,6 +39,8 @@ class CanaryResult:
     calls: int  # probed calls made
     entries: int  # the program's counts of them
     returns: int
+    bpf_runs: int = 0  # runs of the two programs by the kernel's BPF statistics (0 while they are off)
+    bpf_ns: float = 0.0  # their summed run time
 
     @property
     def exact(self) -> bool:
@@ -83,6 +85,7 @@ class UprobeCanary:
                     prog.detach_uprobe_event(ev)
                 prog.wait_releases(10.0)
             hits = percpu_array_sums(prog.table("hits"), ["entries", "returns"])
+            runs = prog.run_stats()
         finally:
             prog.close()
         return CanaryResult(
@@ -91,6 +94,8 @@ class UprobeCanary:
             calls=self.n * self.rounds,
             entries=hits["entries"],
             returns=hits["returns"],
+            bpf_runs=sum(cnt for _ns, cnt in runs.values()),
+            bpf_ns=float(sum(ns for ns, _cnt in runs.values())),
         )
 
 

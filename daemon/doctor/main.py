@@ -20,6 +20,7 @@ from kvwatch.daemon.config import Config
 from kvwatch.daemon.doctor.checks import FAIL, INFO, OK, SKIP, WARN, Check
 from kvwatch.daemon.doctor.cuda import cuda_canaries
 from kvwatch.daemon.doctor.engines import engine_canaries
+from kvwatch.daemon.doctor.selfcost import self_cost_checks
 from kvwatch.daemon.doctor.transfer import transfer_canaries
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
@@ -324,6 +325,7 @@ def run_doctor(config: Config, *, as_json: bool = False, oom_canary: bool = True
             checks += cuda_canaries(config)
             checks += transfer_canaries(config)
             checks += engine_canaries(config)
+            checks += self_cost_checks(config, procfs)
         except Exception as err:
             checks.append(
                 Check(
