@@ -293,8 +293,13 @@ def test_doctor_json_all_canaries_pass() -> None:
         "probe transfer attach",
         "canary kv events",
         "canary engine metrics",
+        "self-cost canary",
+        "BPF statistics",
+        "self-cost breaker",
     ):
         assert canary in names
+    breaker = next(c for c in report["checks"] if c["name"] == "self-cost breaker")
+    assert "shed: 0 of 23 copies counted; attached again: 23 of 23" in breaker["detail"]
 
 
 def test_demo_fires_every_alert() -> None:
