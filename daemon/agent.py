@@ -138,6 +138,10 @@ class Agent:
             self.errors.record("bpf_stats", "BPF statistics could not be turned on", None, reason=self.bpf_stats.error)
         if uprobes and self.canary is not None and self.config.self_cost.calibrate:
             calibrate_in_background(self.self_cost, self.canary)
+        elif uprobes and self.config.self_cost.call_cost_ns <= 0:
+            log.warning(
+                "uprobe cost not measured (self_cost.calibrate off, no call_cost_ns): the budget is not enforced"
+            )
         if self.memory_family.probes is not None or uprobes:
             release_compiler_memory()
         if self.engines is not None:

@@ -283,7 +283,6 @@ class MetricDivergenceConfig(_Section):
     window_seconds: Annotated[float, Field(ge=1)] = 30.0  # one audit window; several engine scrapes
     tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.10  # of the larger of the two numbers
     floor_bytes: NonNegFloat = 64 * 1024 * 1024  # a window moving less is not judged
-    floor_blocks: NonNegFloat = 64.0
     confirm_windows: Annotated[int, Field(ge=1)] = 3
     clear_windows: Annotated[int, Field(ge=1)] = 2
     severity: Literal["info", "warning", "critical"] = "info"

@@ -57,7 +57,7 @@ class SelfCostView:
 
     bpf_stats: bool  # the kernel's BPF run-time statistics are on
     canary_call_ns: float | None  # a probed call's cost to its caller, timed at start
-    call_ns: Mapping[str, float]  # per family: the per-call cost the meter uses
-    call_ns_source: str  # canary / canary+bpf_stats / config
+    call_ns: Mapping[str, tuple[float, str]]  # per family: the per-call cost the meter uses, and its
+    # source: canary / canary+bpf_stats / config
     programs: tuple[ProgramRuns, ...] = ()
     sheds: Mapping[str, int] | None = None  # per family, since start

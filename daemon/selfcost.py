@@ -103,10 +103,10 @@ class SelfCost:
             return None
         return self.canary_ns + self._bpf_per_call.get(family, 0.0)
 
-    def source(self) -> str:
+    def source(self, family: str) -> str:
         if self.config.call_cost_ns > 0:
             return "config"
-        return "canary+bpf_stats" if self._bpf_per_call else "canary"
+        return "canary+bpf_stats" if family in self._bpf_per_call else "canary"
 
     # --- per tick -----------------------------------------------------------------------------
     def update(self, samples: Iterable[Sample], now: float) -> list[tuple[int, str, float]]:
@@ -192,8 +192,7 @@ class SelfCost:
         return SelfCostView(
             bpf_stats=self.bpf_stats,
             canary_call_ns=self.canary_ns,
-            call_ns={f: ns for f in families if (ns := self.call_ns(f)) is not None},
-            call_ns_source=self.source(),
+            call_ns={f: (ns, self.source(f)) for f in families if (ns := self.call_ns(f)) is not None},
             programs=self._programs,
             sheds=dict(self.sheds),
         )

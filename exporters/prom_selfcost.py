@@ -43,8 +43,8 @@ def self_cost_families(s: Snapshot) -> Iterator[Metric]:
         for prog in c.programs:
             run_seconds.add_metric([prog.family, prog.program], prog.run_seconds)
             runs.add_metric([prog.family, prog.program], prog.runs)
-        for fam, ns in sorted(c.call_ns.items()):
-            call.add_metric([fam, c.call_ns_source], ns / 1e9)
+        for fam, (ns, source) in sorted(c.call_ns.items()):
+            call.add_metric([fam, source], ns / 1e9)
         if c.canary_call_ns is not None:
             canary.add_metric([], c.canary_call_ns / 1e9)
         for fam, n in sorted((c.sheds or {}).items()):

@@ -78,7 +78,7 @@ class UprobeCanary:
                 plain.append(self._loop(fn))
                 events = [
                     prog.attach_uprobe("canary", path, f"kvw_canary_{p}", pid=os.getpid(), addr=addr, retprobe=r)
-                    for p, r in (("enter", False), ("return", True))
+                    for p, r in (("return", True), ("enter", False))  # the return first, as kvwatch attaches
                 ]
                 probed.append(self._loop(fn))
                 for ev in events:

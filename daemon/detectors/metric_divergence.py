@@ -4,7 +4,9 @@ window; this detector only counts them). Info severity by default: it says whose
 distrust, not that the cache is failing. Clears after ``clear_windows`` windows that agree.
 
 One finding per engine process; its cause is the first pair that fires, in the audit's order,
-and the summary names both numbers and their sources.
+and the summary names both numbers and their sources. A pair left unjudged for a window's time
+(too little traffic, kvwatch's own evidence incomplete) counts as a window that agrees: an alert
+does not outlive its evidence.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ALERT = "KVEngineMetricDivergence"
 class _Pair:
     hysteresis: Hysteresis
     window: int = 0
+    stepped_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -66,8 +69,13 @@ class EngineMetricDivergence:
                 if ps is None:
                     ps = st.pairs[row.pair] = _Pair(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
                 if row.window != ps.window:  # a new window: one step of the count
-                    ps.window = row.window
+                    ps.window, ps.stepped_at = row.window, view.now
                     ps.hysteresis.step(row.diverged, not row.diverged, view.now)
+                elif view.now - ps.stepped_at >= self.config.window_seconds:
+                    # no window judged in a window's time (traffic under the floor, kvwatch's own
+                    # evidence incomplete): nothing says it still diverges, so that counts as cool
+                    ps.stepped_at = view.now
+                    ps.hysteresis.step(False, True, view.now)
                 if ps.hysteresis.firing:
                     firing.append(row)
             lead = firing[0] if firing else p.audit[0]

@@ -113,11 +113,10 @@ class AuditSettings:
     window_seconds: float = 30.0
     tolerance: float = 0.10
     floor_bytes: float = 64 * 1024 * 1024
-    floor_blocks: float = 64.0
 
 
 def audit_settings(c: MetricDivergenceConfig) -> AuditSettings:
-    return AuditSettings(c.window_seconds, c.tolerance, c.floor_bytes, c.floor_blocks)
+    return AuditSettings(c.window_seconds, c.tolerance, c.floor_bytes)
 
 
 def divergence(engine: float, kvwatch: float) -> float:
@@ -203,9 +202,8 @@ class ProcessAudit:
 
     def _judge(self, pair: Pair, st: _PairState, engine: float, kvwatch: float, seconds: float) -> None:
         s = self.settings
-        floor = s.floor_bytes if pair.unit == "bytes" else s.floor_blocks
-        if not pair.gauge and max(engine, kvwatch) < floor:
-            return  # too little moved to judge a ratio
+        if not pair.gauge and max(engine, kvwatch) < s.floor_bytes:
+            return  # too little moved to judge a ratio (every counter pair is in bytes)
         bad = diverges(pair.relation, engine, kvwatch, s.tolerance)
         st.windows += 1
         st.diverged += bad

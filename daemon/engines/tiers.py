@@ -46,7 +46,7 @@ def _r(source: str, tier: str, quantity: str, unit: str, name: str, **kw: object
     return Rule(source, tier, quantity, unit, name, **kw)  # type: ignore[arg-type]
 
 
-D2H, H2D = (("direction", "d2h"),), (("direction", "h2d"),)
+D2H, H2D = (("direction", "d2h"), ("phase", "staging")), (("direction", "h2d"), ("phase", "staging"))
 VLLM_STORE, VLLM_LOAD, VLLM_OLD = (
     "vllm:kv_offload_store_bytes_total",
     "vllm:kv_offload_load_bytes_total",
@@ -71,7 +71,9 @@ RULES = (
     _r("lmcache", "disk", "used", "bytes", "lmcache:local_storage_usage"),
     _r("lmcache", "all", "queried", "tokens", "lmcache:num_requested_tokens_total"),
     _r("lmcache", "all", "hit", "tokens", "lmcache:num_hit_tokens_total"),
-    # LMCache 0.5.6 multiprocess server: L1 is host memory, L2 a store it names by adapter
+    # LMCache 0.5.6 multiprocess server: L1 is host memory, L2 a store it names by adapter; its
+    # transfer bytes are counted per phase (staging through host memory, and the kernel's), the
+    # staging phase being the tier's own traffic
     _r("lmcache_mp", "cpu", "stored", "bytes", "lmcache_mp_transfer_phase_bytes_total", match=D2H),
     _r("lmcache_mp", "cpu", "loaded", "bytes", "lmcache_mp_transfer_phase_bytes_total", match=H2D),
     _r("lmcache_mp", "cpu", "stored", "chunks", "lmcache_mp_l1_write_chunks_total"),

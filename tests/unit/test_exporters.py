@@ -310,8 +310,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
         self_cost=SelfCostView(
             bpf_stats=True,
             canary_call_ns=1510.0,
-            call_ns={"cuda": 1734.5, "transfer": 1620.0},
-            call_ns_source="canary+bpf_stats",
+            call_ns={"cuda": (1734.5, "canary+bpf_stats"), "transfer": (1510.0, "canary")},
             programs=(
                 ProgramRuns("memory", "tracepoint__kmem__mm_page_free", 0.0723, 2_000_003),
                 ProgramRuns("cuda", "kvw_enter_cudaMalloc", 0.0000611, 523),

@@ -23,7 +23,7 @@ from tests.unit.test_kv_ledger import REAL_BLOCK_BYTES
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 MIB = 1 << 20
-SETTINGS = AuditSettings(window_seconds=10.0, tolerance=0.10, floor_bytes=64 * MIB, floor_blocks=64)
+SETTINGS = AuditSettings(window_seconds=10.0, tolerance=0.10, floor_bytes=64 * MIB)
 
 
 def feed(
@@ -213,3 +213,17 @@ def test_real_vllm_offload_counter_agrees_with_its_stream() -> None:
     judged, firing, _ = real_run_audit(10.0)
     assert len(judged) == 13 and [r.window for r in judged if r.diverged] == [9], judged
     assert not any(firing)
+
+
+def test_a_firing_alert_clears_when_its_evidence_stops() -> None:
+    """Offload traffic stops (no window judged any more): the alert does not stay for ever."""
+    det = EngineMetricDivergence(MetricDivergenceConfig(confirm_windows=3, clear_windows=2, window_seconds=10.0))
+    _, bad = feed(41, engine_share=0.5)
+    for t, rows in enumerate(bad):
+        p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, SeriesSet(), audit=rows)
+        det.evaluate(NodeView(now=float(t), processes={"pid:7@1": p}, tiers={}))
+    p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, SeriesSet(), audit=bad[-1])
+    view = lambda t: NodeView(now=t, processes={"pid:7@1": p}, tiers={})  # noqa: E731 - the same rows, later
+    assert det.evaluate(view(45.0))[0].firing
+    assert det.evaluate(view(50.0))[0].firing  # one window's time without a judgement: one cool step
+    assert not det.evaluate(view(60.0))[0].firing  # two: cleared

@@ -79,7 +79,7 @@ def test_no_cost_known_no_judgement_and_a_configured_cost_wins() -> None:
     assert Process(m).run(0, 20, 1e6) == []
     assert m.ratio("p") is None
     fixed = SelfCost(SelfCostConfig(call_cost_ns=500.0))
-    assert fixed.call_ns("cuda") == 500.0 and fixed.source() == "config"
+    assert fixed.call_ns("cuda") == 500.0 and fixed.source("cuda") == "config"
 
 
 def test_tiny_absolute_cost_is_under_the_floor() -> None:
@@ -99,11 +99,13 @@ def test_bpf_statistics_add_the_programs_own_time_per_call() -> None:
     m = meter(1500.0)
     m.programs({"cuda": {"kvw_enter_cudaMalloc": (30_000, 100), "kvw_return_cudaMalloc": (20_000, 100)}}, True)
     assert m.call_ns("cuda") == pytest.approx(1500.0 + 2 * 50_000 / 200)
-    assert m.call_ns("transfer") == 1500.0 and m.source() == "canary+bpf_stats"
+    assert (
+        m.call_ns("transfer") == 1500.0 and m.source("cuda") == "canary+bpf_stats" and m.source("transfer") == "canary"
+    )
     view = m.view(["cuda"])
     assert view.bpf_stats and view.programs[0].runs == 100
     m.programs({}, False)
-    assert m.call_ns("cuda") == 1500.0 and m.source() == "canary"
+    assert m.call_ns("cuda") == 1500.0 and m.source("cuda") == "canary"
 
 
 def test_shed_detector() -> None:
