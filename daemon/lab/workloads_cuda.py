@@ -157,8 +157,13 @@ def cmd_cuda(args: argparse.Namespace) -> None:
         _say("done")
 
 
-def _spin(rt: ctypes.CDLL, seconds: float) -> int:
+def _copying(rt: ctypes.CDLL) -> ctypes.CDLL:
     rt.cudaMemcpyAsync.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+    return rt
+
+
+def _spin(rt: ctypes.CDLL, seconds: float) -> int:
+    rt = _copying(rt)
     end, n = time.monotonic() + seconds, 0
     while time.monotonic() < end:
         for _ in range(1000):
@@ -167,7 +172,7 @@ def _spin(rt: ctypes.CDLL, seconds: float) -> int:
     return n
 
 
-def cmd_cudacalls(args: argparse.Namespace) -> None:  # noqa: PLR0912 - one branch per command
+def cmd_cudacalls(args: argparse.Namespace) -> None:
     """Exact numbers of CUDA runtime calls through a given libcudart (real or stub).
     Lines: "spin SECONDS" (copies back to back, answering "done N"),
     "call N" (N cudaMalloc then N cudaFree; "calllast N" through the library
@@ -194,30 +199,10 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:  # noqa: PLR0912 - one bran
                 rt.cudaFree(ctypes.c_void_p(ptr))
             _say(f"done {ok} {first_rc}")
         elif words[0] == "spin":  # spin SECONDS: cudaMemcpyAsync of 4 KiB host->device, back to back
-            rt = libs[0]
-            rt.cudaMemcpyAsync.argtypes = (
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_void_p,
-            )
-            end, n = time.monotonic() + float(words[1]), 0
-            while time.monotonic() < end:
-                for _ in range(1000):
-                    rt.cudaMemcpyAsync(None, None, PAGE, 1, None)
-                n += 1000
-            _say(f"done {n}")
+            _say(f"done {_spin(libs[0], float(words[1]))}")
         elif words[0] == "copy":  # copy KIND N SIZE: N cudaMemcpyAsync of SIZE bytes in direction KIND
-            rt = libs[0]
+            rt = _copying(libs[0])
             kind, n, size = int(words[1]), int(words[2]), int(words[3])
-            rt.cudaMemcpyAsync.argtypes = (
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_void_p,
-            )
             rcs = [rt.cudaMemcpyAsync(None, None, size, kind, None) for _ in range(n)]
             _say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
         elif words[0] == "batch":
