@@ -104,7 +104,7 @@ def _family_probe_views(agent: Agent) -> list[ProbeView]:
         tracker = family.tracker
         if tracker is not None:
             states = tracker.api_states()
-            any_attached = bool(tracker.probes.attachments) or bool(tracker.shed_until)  # shed: say so
+            any_attached = bool(tracker.probes.attachments)
             for api in tracker.probes.apis:
                 text = states[api.label].value if any_attached else "idle"  # no process of this kind yet
                 views.append(

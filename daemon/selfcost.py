@@ -8,11 +8,13 @@ plus, with statistics, the family's mean program time per call (an entry and a r
 Per process, each tick: the calls its probes trapped (the families' own counters) times that
 cost, as a share of the CPU time the process used (``/proc/PID/stat``: the traps are charged to
 it). Judged over disjoint windows of ``window_seconds``; over ``budget`` (and above an absolute
-floor) for ``windows`` windows in a row, the family costing the process most has its uprobes
-detached for that process (its counts kept; the kernel tracepoints stay), and attached again
-after a back-off that doubles while shedding recurs and resets once the process stays within
-budget for as many windows. While shed nothing is counted, so the rate cannot be watched: the
-back-off is the test of whether it fell.
+floor) for ``windows`` windows in a row, the family costing the process most has its busiest
+uprobes detached for that process: the APIs making up ``HOT_SHARE`` of its calls in the window
+(the whole family where it does not count per API). Its counts are kept, its other probes and
+the kernel tracepoints stay. They are attached again after a back-off that doubles while
+shedding recurs and resets once the process stays within budget for as many windows. While
+shed those calls are not seen, so their rate cannot be watched: the back-off is the test of
+whether it fell (and nothing more is judged for the process until then).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class _Calls:
     cost_seconds: float = 0.0
     window_cost: float = 0.0
     sheds: int = 0
+    api_last: dict[str, float] = field(default_factory=dict)  # per API, where the family counts so
+    api_window: dict[str, float] = field(default_factory=dict)  # calls in the window
 
 
 @dataclass(slots=True)
@@ -66,6 +70,25 @@ class Sample:
     cpu_seconds: float
     calls: Mapping[str, float | None]
     shed: Mapping[str, bool]
+    api_calls: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # family -> API -> calls
+
+
+HOT_SHARE = 0.9  # of a shed family's calls in the window, the APIs shed (the busiest first)
+
+
+def hot_apis(window: Mapping[str, float]) -> tuple[str, ...] | None:
+    """The busiest APIs making up ``HOT_SHARE`` of the window's calls; None when not counted
+    per API (the whole family is shed)."""
+    total = sum(window.values())
+    if total <= 0:
+        return None
+    out, acc = [], 0.0
+    for api, n in sorted(window.items(), key=lambda kv: -kv[1]):
+        out.append(api)
+        acc += n
+        if acc >= HOT_SHARE * total:
+            break
+    return tuple(out)
 
 
 class SelfCost:
@@ -109,9 +132,9 @@ class SelfCost:
         return "canary+bpf_stats" if family in self._bpf_per_call else "canary"
 
     # --- per tick -----------------------------------------------------------------------------
-    def update(self, samples: Iterable[Sample], now: float) -> list[tuple[int, str, float]]:
-        """Returns the sheds to make: (pid, family, back-off seconds)."""
-        out: list[tuple[int, str, float]] = []
+    def update(self, samples: Iterable[Sample], now: float) -> list[tuple[int, str, tuple[str, ...] | None, float]]:
+        """Returns the sheds to make: (pid, family, its APIs to shed (None: all), back-off seconds)."""
+        out: list[tuple[int, str, tuple[str, ...] | None, float]] = []
         seen = set()
         for s in samples:
             seen.add(s.key)
@@ -120,7 +143,7 @@ class SelfCost:
                 p = self._procs[s.key] = _Process(self.config.backoff_seconds)
             shed = self._account(p, s, now)
             if shed is not None:
-                out.append((s.pid, shed, p.backoff))
+                out.append((s.pid, shed, hot_apis(p.families[shed].api_window), p.backoff))
                 p.backoff = min(2 * p.backoff, self.config.backoff_max_seconds)
         for key in list(self._procs):
             if key not in seen:
@@ -136,6 +159,11 @@ class SelfCost:
                 f.cost_seconds += cost
                 f.window_cost += cost
             f.calls = calls
+            for api, n in s.api_calls.get(fam, {}).items():
+                last = f.api_last.get(api)
+                if last is not None and n >= last:
+                    f.api_window[api] = f.api_window.get(api, 0.0) + n - last
+                f.api_last[api] = n
         if any(s.shed.values()) or p.t0 is None or (self.canary_ns is None and self.config.call_cost_ns <= 0):
             self._open(p, s, now)  # nothing to judge while shed or before the cost is known
             return None
@@ -151,8 +179,8 @@ class SelfCost:
         if p.calm >= c.windows:
             p.backoff = c.backoff_seconds
         worst = max(p.families.items(), key=lambda kv: kv[1].window_cost)[0] if p.families else ""
-        self._open(p, s, now)
         if p.over >= c.windows and worst:
+            self._open(p, s, now, keep=worst)
             p.over = 0
             p.families[worst].sheds += 1
             self.sheds[worst] = self.sheds.get(worst, 0) + 1
@@ -165,13 +193,17 @@ class SelfCost:
                 backoff_seconds=p.backoff,
             )
             return worst
+        self._open(p, s, now)
         return None
 
     @staticmethod
-    def _open(p: _Process, s: Sample, now: float) -> None:
+    def _open(p: _Process, s: Sample, now: float, keep: str = "") -> None:
+        """A new window; ``keep``: that family's per-API calls stay until the shed is made."""
         p.t0, p.cpu0 = now, s.cpu_seconds
-        for f in p.families.values():
+        for name, f in p.families.items():
             f.window_cost = 0.0
+            if name != keep:
+                f.api_window = {}
 
     # --- what the snapshot shows ---------------------------------------------------------------
     def ratio(self, key: str) -> float | None:
@@ -265,11 +297,12 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
         except ProcError:
             continue
         shed = {n: f.tracker.shedding(t.pid) for n, f in fams.items() if f.tracker is not None}
-        samples.append((t, Sample(t.key, t.pid, cpu, calls, shed)))
-    for pid, name, backoff in meter.update((s for _, s in samples), now):
+        per_api = {n: f.tracker.api_calls(t.pid) for n, f in fams.items() if f.tracker is not None}
+        samples.append((t, Sample(t.key, t.pid, cpu, calls, shed, per_api)))
+    for pid, name, apis, backoff in meter.update((s for _, s in samples), now):
         tracker = fams[name].tracker
         if tracker is not None:
-            tracker.request_shed(pid, backoff)
+            tracker.request_shed(pid, backoff, apis)
     for t, s in samples:
         ratio = meter.ratio(s.key)
         if ratio is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
@@ -48,6 +48,8 @@ class ProcessAttachment:
     libraries: dict[tuple[str, int], MappedLibrary] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     symbols: list[SymbolAttach] = field(default_factory=list)
+    api_events: dict[str, list[tuple[str, bool]]] = field(default_factory=dict)  # api -> (event, is return)
+    shed: set[str] = field(default_factory=set)  # api labels detached by the cost budget
     flags: set[str] = field(default_factory=set)  # family facts: "ucx" (libucm mapped), "runtime", ...
 
     @property
@@ -73,6 +75,7 @@ def resolve(table: SymbolTable, api: UprobeApi) -> int | None:
 
 
 E = TypeVar("E")
+RELEASE_WAIT_SECONDS = 30.0
 
 
 class PerProcessUprobes(Generic[E]):
@@ -201,6 +204,7 @@ class PerProcessUprobes(Generic[E]):
                 ev = self.program.attach_uprobe(api.label, host_path, fn, pid=att.pid, addr=addr, retprobe=retprobe)
                 if ev:
                     att.events.append(ev)
+                    att.api_events.setdefault(api.label, []).append((ev, retprobe))
         except ProbeAttachError as err:
             if not self._alive(att.pid):
                 self.detach(att.pid)
@@ -218,6 +222,52 @@ class PerProcessUprobes(Generic[E]):
         if not keep_counters:
             self.forget_counters(pid)
         return n
+
+    def shed(self, pid: int, labels: Iterable[str]) -> int:
+        """Detach the probes of these APIs from ``pid``, keeping its counters and the other APIs'
+        probes (the cost budget sheds the ones that cost most); returns the probes detached."""
+        att = self.attachments.get(pid)
+        if att is None:
+            return 0
+        labels = set(labels)
+        events = [e for label in labels for e in att.api_events.pop(label, [])]
+        n = 0
+        # the entry probes first, released before the returns go: a call running meanwhile
+        # still returns through its probe, and no thread is left a call in flight that would
+        # make the process's calls of the APIs still probed look nested beneath it
+        for returns in (False, True):
+            for ev, is_return in events:
+                if is_return is returns:
+                    att.events.remove(ev)
+                    n += self.program.detach_uprobe_event(ev)
+            if not returns:
+                self.program.wait_releases(RELEASE_WAIT_SECONDS)
+        att.symbols = [
+            SymbolAttach(s.library, s.api, HookState.SHED) if s.api in labels and s.state is HookState.ATTACHED else s
+            for s in att.symbols
+        ]
+        att.shed |= labels
+        return n
+
+    def unshed(self, pid: int) -> None:
+        """Attach the shed APIs of ``pid`` again (after the kernel released them: ``settle``),
+        its calls left in flight by the shedding dropped first."""
+        att = self.attachments.get(pid)
+        if att is None or not att.shed:
+            return
+        self.forget_threads(pid)
+        labels, att.shed = att.shed, set()
+        att.symbols = [s for s in att.symbols if not (s.api in labels and s.state is HookState.SHED)]
+        for lib in att.libraries.values():
+            kind = self.kind_of(lib)
+            host_path = lib.host_path(self.proc_root)
+            try:
+                table = self.symbols.get(host_path)
+            except LibraryError:
+                continue
+            for api in self.apis:
+                if api.lib == kind and api.label in labels:
+                    att.symbols.append(self._attach_symbol(att, lib, host_path, table, api))
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait until every detached probe is released by the kernel (detach returns first;

@@ -1,8 +1,8 @@
 """``kvwatch doctor``'s self-cost checks: the canary that prices a probed call (every call
 trapped), the kernel's BPF statistics counting the canary's runs exactly, and a drill of the
 cost budget's circuit breaker on the CUDA canary child (this machine's runtime or the stub):
-copies back to back priced against the child's CPU time, its probes shed (nothing counted),
-attached again, and exactly 23 more copies counted."""
+copies back to back priced against the child's CPU time, the copy API's probes shed (no copy
+counted, every allocation still counted), attached again, and exactly 23 more copies counted."""
 
 from __future__ import annotations
 
@@ -99,22 +99,31 @@ def _run_drill(probes: CudaProbes, lib: Path, procfs: ProcFS, call_ns: float, bu
         spun = _copies(probes, child.pid)
         cpu = procfs.stat(child.pid).cpu_ticks / tck - cpu0
         ratio = spun * call_ns / 1e9 / cpu if cpu > 0 else float("inf")
-        probes.detach(child.pid, keep_counters=True)  # shed
+        probes.shed(child.pid, [COPY])  # the busy API only
         probes.settle(30.0)
-        before = _copies(probes, child.pid)
+        before, mallocs = _copies(probes, child.pid), _calls(probes, child.pid, "cudaMalloc")
         child.send(f"copy 1 {DRILL_CALLS} 4096")
         child.reply()
+        child.send(f"call {DRILL_CALLS}")
+        child.reply()
         while_shed = _copies(probes, child.pid) - before
-        probes.forget_threads(child.pid)
-        probes.attach(child.pid)  # attached again
+        kept = _calls(probes, child.pid, "cudaMalloc") - mallocs
+        probes.unshed(child.pid)  # attached again
         child.send(f"copy 1 {DRILL_CALLS} 4096")
         child.reply()
         after = _copies(probes, child.pid) - before - while_shed
-    ok = while_shed == 0 and after == DRILL_CALLS and spun > 0
+    ok = while_shed == 0 and kept == after == DRILL_CALLS and spun > 0
     return Check(
         "self-cost breaker",
         OK if ok else FAIL,
         f"{spun} copies in {SPIN_SECONDS:.0f} s through {lib.name} cost the process {ratio:.1%} of its CPU "
-        f"({'over' if ratio > budget else 'within'} the {budget:.0%} budget); shed: {while_shed} of "
-        f"{DRILL_CALLS} copies counted; attached again: {after} of {DRILL_CALLS}",
+        f"({'over' if ratio > budget else 'within'} the {budget:.0%} budget); {COPY} shed: {while_shed} of "
+        f"{DRILL_CALLS} copies counted, {kept} of {DRILL_CALLS} cudaMalloc still counted; attached again: "
+        f"{after} of {DRILL_CALLS}",
     )
+
+
+def _calls(probes: CudaProbes, pid: int, api: str) -> int:
+    s = probes.sample().processes.get(pid)
+    c = s.apis.get(api) if s else None
+    return c.ok + c.err if c else 0

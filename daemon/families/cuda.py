@@ -101,6 +101,14 @@ class CudaTracker(FamilyTracker):
             return None if pid not in self.attached else cuda_series(ProcessCuda(apis={}))
         return cuda_series(c)
 
+    def api_calls(self, pid: int) -> dict[str, float]:
+        c = self._counters.get(pid)
+        out: dict[str, float] = {}
+        for label, a in c.apis.items() if c is not None else ():
+            api = label.partition(":")[0]  # copies are counted per direction
+            out[api] = out.get(api, 0.0) + a.ok + a.err
+        return out
+
     def calls(self, pid: int) -> float | None:
         c = self._counters.get(pid)
         if c is None:
@@ -108,17 +116,16 @@ class CudaTracker(FamilyTracker):
         return float(sum(a.ok + a.err for a in c.apis.values()))
 
     def state(self, pid: int) -> CudaProcessState | None:
-        """Also while its probes are shed: the counts stand still, nothing is attached."""
         a = self.attached.get(pid)
         att = self.probes.attachments.get(pid)
-        if not isinstance(a, _Attached) or (att is None and not self.is_shed(pid)):
+        if not isinstance(a, _Attached) or att is None:
             return None
         return CudaProcessState(
             counters=self._counters.get(pid),
             failures=dict(a.failures),
-            symbols_attached=att.attached if att is not None else 0,
-            libraries=tuple(lib.path for lib in att.libraries.values()) if att is not None else (),
-            ucx=att.ucx if att is not None else False,
+            symbols_attached=att.attached,
+            libraries=tuple(lib.path for lib in att.libraries.values()),
+            ucx=att.ucx,
         )
 
 

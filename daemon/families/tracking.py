@@ -42,13 +42,15 @@ class FamilyTracker:
         self.attached: dict[int, Attached] = {}
         self.hits: dict[str, int] = {}
         self.lost: dict[str, int] = {}
-        self.shed_requests: dict[int, float] = {}  # pid -> back-off seconds (the loop asks)
-        self.shed_until: dict[int, float] = {}  # pid -> when its probes are attached again
+        # pid -> back-off seconds and the APIs to shed (None: all of the family's) (the loop asks)
+        self.shed_requests: dict[int, tuple[float, tuple[str, ...] | None]] = {}
+        self.shed_until: dict[int, float] = {}  # pid -> when its shed probes are attached again
         self.sheds = 0
 
-    def request_shed(self, pid: int, backoff: float) -> None:
-        """From the loop: detach ``pid``'s probes (keeping its counts) for ``backoff`` seconds."""
-        self.shed_requests[pid] = backoff
+    def request_shed(self, pid: int, backoff: float, apis: tuple[str, ...] | None = None) -> None:
+        """From the loop: detach these APIs' probes from ``pid`` (keeping its counts and its other
+        probes) for ``backoff`` seconds."""
+        self.shed_requests[pid] = (backoff, apis)
 
     def is_shed(self, pid: int) -> bool:
         """Its probes are detached by the budget now."""
@@ -74,12 +76,11 @@ class FamilyTracker:
                 # attached again only once the kernel released the shed probes: a probe opened
                 # on a function while an earlier one there is being released in the same
                 # process was seen to stay silent (breakpoints taken out under it)
-                if now < until or self.probes.program.pending_releases():
-                    continue
-                del self.shed_until[pid]
-                self.probes.forget_threads(pid)
-                log.info(f"{self.family} probes attached again after shedding", pid=pid)
-            elif known is not None and now < known.next_rescan:
+                if now >= until and not self.probes.program.pending_releases():
+                    del self.shed_until[pid]
+                    self._unshed(pid)
+                continue  # no rescan while shed: a library loaded meanwhile is attached afterwards
+            if known is not None and now < known.next_rescan:
                 continue
             if known is None:
                 known = self.attached[pid] = self.new_attached(t.proc.identity, now)
@@ -126,16 +127,33 @@ class FamilyTracker:
 
     def _shed(self, now: float) -> None:
         for pid in list(self.shed_requests):
-            backoff = self.shed_requests.pop(pid)
+            backoff, apis = self.shed_requests.pop(pid)
             if pid not in self.attached or pid in self.shed_until:
                 continue
+            labels = apis if apis is not None else tuple(a.label for a in self.probes.apis)
             self.shed_until[pid] = now + backoff  # first: the loop reads it while the detach runs
             try:
-                self.probes.detach(pid, keep_counters=True)
+                n = self.probes.shed(pid, labels)
             except Exception as err:
                 self.errors.record(f"{self.family}_shed", f"{self.family} shed failed", err, pid=pid)
+                continue
             self.sheds += 1
-            log.warning(f"{self.family} probes shed: over the cost budget", pid=pid, backoff_seconds=backoff)
+            log.warning(
+                f"{self.family} probes shed: over the cost budget",
+                pid=pid,
+                apis=sorted(labels),
+                probes=n,
+                backoff_seconds=backoff,
+            )
+
+    def _unshed(self, pid: int) -> None:
+        try:
+            self.probes.unshed(pid)
+        except Exception as err:
+            self.errors.record(f"{self.family}_unshed", f"{self.family} re-attach failed", err, pid=pid)
+            return
+        att = self.probes.attachments.get(pid)
+        log.info(f"{self.family} probes attached again after shedding", pid=pid, attached=att.attached if att else 0)
 
     def detach(self, pid: int) -> None:
         try:
@@ -153,6 +171,10 @@ class FamilyTracker:
         """Calls the family's probes trapped in ``pid`` (each an entry and a return), cumulative (override)."""
         return None
 
+    def api_calls(self, pid: int) -> dict[str, float]:
+        """The same per API label, where the family counts them per API (override)."""
+        return {}
+
     def api_states(self) -> dict[str, HookState]:
         """Per API: attached in at least one process, else why not (for the probe table)."""
         out: dict[str, HookState] = {}
@@ -160,8 +182,7 @@ class FamilyTracker:
             for s in att.symbols:
                 if s.state is HookState.ATTACHED or s.api not in out:
                     out[s.api] = s.state
-        missing = HookState.SHED if self.shed_until else HookState.MISSING  # attached nowhere: shed?
-        return {a.label: out.get(a.label, missing) for a in self.probes.apis}
+        return {a.label: out.get(a.label, HookState.MISSING) for a in self.probes.apis}
 
     def ingest(self) -> None:
         """Read the family's events and counters, once a tick (override)."""

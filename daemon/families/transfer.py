@@ -137,14 +137,9 @@ class TransferTracker(FamilyTracker):
         }
 
     def state(self, pid: int) -> TransferProcessState | None:
-        """Also while its probes are shed: the counts stand still, nothing is attached."""
         att = self.probes.attachments.get(pid)
-        if pid not in self.attached:
+        if pid not in self.attached or att is None or not att.libraries:
             return None
-        if att is None or not att.libraries:
-            if not self.is_shed(pid):
-                return None
-            return TransferProcessState(counters=self._counters.get(pid), symbols_attached=0, libraries=())
         return TransferProcessState(
             counters=self._counters.get(pid),
             symbols_attached=att.attached,

@@ -50,17 +50,20 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
         w.expect("ready")
         pid = str(w.pid)
         wait_until(lambda: d.value("kvwatch_cuda_probes_attached", pid=pid) > 0, 15, "CUDA probes attached")
+        symbols = settled(lambda: d.value("kvwatch_cuda_probes_attached", pid=pid), quiet=1.5, timeout=30)
         wait_until(lambda: d.value("kvwatch_uprobe_canary_call_seconds") > 0, 30, "canary timed")
         assert d.value("kvwatch_bpf_stats_enabled") == 1
         assert call(w, "copy 1 23 4096") == "done 23 0"
         assert settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30) == 23
 
         w.send("spin 20")  # ~1.5 us of traps per call: far over 1 %
-        wait_until(lambda: shed(d, w.pid) == 1, 30, "CUDA uprobes shed")
+        wait_until(
+            lambda: shed(d, w.pid) == 1 and d.value("kvwatch_cuda_probes_attached", pid=pid) < symbols, 30, "shed"
+        )
         scrape = d.metrics()
         m = DaemonProcess.value_in(scrape)
         assert m("kvwatch_uprobe_cost_ratio", pid=pid) > 0.01
-        assert m("kvwatch_cuda_probes_attached", pid=pid) == 0
+        assert m("kvwatch_cuda_probes_attached", pid=pid) == symbols - 1  # the busy copy API only
         assert m("kvwatch_uprobe_sheds_total", family="cuda") >= 1
         assert m("kvwatch_alert_active", alert="KVWatchProbeShed", pid=pid, cause="cuda") == 1
         states = {lab["state"] for lab, _v in scrape["kvwatch_probe_attached"] if lab["probe"] == COPY}
@@ -68,9 +71,15 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
         spun = int(w.reply().split()[1])
         counted = settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30)
         assert 23 < counted < 23 + spun  # counted until shed (and while attached again in between)
+        # only the busy copy API was shed: allocations are counted whatever the breaker does
+        assert call(w, "call 5") == "done 5 0"
+        mallocs = settled(lambda: d.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cudaMalloc"), quiet=2.0)
+        assert mallocs == 5
 
         # the spin is over: attached again after the back-off, and it stays attached
-        wait_until(lambda: shed(d, w.pid) == 0 and d.value("kvwatch_cuda_probes_attached", pid=pid) > 0, 60, "back")
+        wait_until(
+            lambda: shed(d, w.pid) == 0 and d.value("kvwatch_cuda_probes_attached", pid=pid) == symbols, 60, "back"
+        )
         before = settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30)
         assert call(w, "copy 1 29 4096") == "done 29 0"
         assert settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30) == before + 29

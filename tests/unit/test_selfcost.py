@@ -8,7 +8,7 @@ from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.selfcost import COST_RATIO, Sample, SelfCost
+from kvwatch.daemon.selfcost import COST_RATIO, Sample, SelfCost, hot_apis
 from kvwatch.daemon.series import SeriesSet
 
 CONFIG = SelfCostConfig(budget=0.01, window_seconds=2.0, windows=3, backoff_seconds=10.0, backoff_max_seconds=25.0)
@@ -18,16 +18,18 @@ class Process:
     """A process making ``rate`` probed calls a second on half a core."""
 
     def __init__(self, meter: SelfCost) -> None:
-        self.meter, self.calls, self.cpu, self.shed = meter, 0.0, 0.0, False
+        self.meter, self.calls, self.copies, self.cpu, self.shed = meter, 0.0, 0.0, 0.0, False
 
-    def run(self, t0: int, t1: int, rate: float) -> list[tuple[int, str, float, float]]:
+    def run(self, t0: int, t1: int, rate: float) -> list[tuple[int, str, float, tuple[str, ...] | None]]:
         out = []
         for t in range(t0, t1):
             if not self.shed:
                 self.calls += rate
+                self.copies += 0.95 * rate  # the hot API: 95 % of the calls
             self.cpu += 0.5
-            s = Sample("p", 7, self.cpu, {"cuda": self.calls, "transfer": 0.0}, {"cuda": self.shed})
-            out += [(t, fam, backoff, self.calls) for _pid, fam, backoff in self.meter.update([s], float(t))]
+            per_api = {"cuda": {"cudaMemcpyAsync": self.copies, "cudaMalloc": self.calls - self.copies}}
+            s = Sample("p", 7, self.cpu, {"cuda": self.calls, "transfer": 0.0}, {"cuda": self.shed}, per_api)
+            out += [(t, fam, backoff, apis) for _pid, fam, apis, backoff in self.meter.update([s], float(t))]
         return out
 
 
@@ -55,6 +57,7 @@ def test_over_budget_three_windows_sheds_then_backs_off_doubling() -> None:
         (12, "cuda", 20.0),
         (18, "cuda", 25.0),
     ]
+    assert {apis for *_, apis in sheds} == {("cudaMemcpyAsync",)}  # the hot API only: allocations stay probed
     assert m.ratio("p") == pytest.approx(0.02)
     assert m.sheds == {"cuda": 3}
     assert m.costs("p", {"cuda": True})[0].shed
@@ -106,6 +109,12 @@ def test_bpf_statistics_add_the_programs_own_time_per_call() -> None:
     assert view.bpf_stats and view.programs[0].runs == 100
     m.programs({}, False)
     assert m.call_ns("cuda") == 1500.0 and m.source("cuda") == "canary"
+
+
+def test_hot_apis() -> None:
+    assert hot_apis({"a": 80.0, "b": 15.0, "c": 5.0}) == ("a", "b")  # 95 % >= 90 %
+    assert hot_apis({"a": 95.0, "b": 5.0}) == ("a",)
+    assert hot_apis({}) is None  # not counted per API: the whole family
 
 
 def test_shed_detector() -> None:
