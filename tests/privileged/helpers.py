@@ -252,3 +252,12 @@ def daemon(tmp: Path, toml: str, *extra: str) -> Iterator[DaemonProcess]:
         yield d
     finally:
         d.stop()
+
+
+def wait_attached(d: DaemonProcess, pid: int, family: str = "cuda", timeout: float = 15.0) -> float:
+    """Until the family's probes are attached to ``pid`` and their count has stopped growing: the
+    attacher works symbol by symbol, and a workload started at the first one would make calls
+    the probes of later symbols miss. Returns the count."""
+    metric = f"kvwatch_{family}_probes_attached"
+    wait_until(lambda: d.value(metric, pid=str(pid)) > 0, timeout, f"{family} probes attached")
+    return settled(lambda: d.value(metric, pid=str(pid)), quiet=1.5, timeout=timeout)

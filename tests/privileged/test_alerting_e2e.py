@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import Child, daemon, free_port, wait_until
+from tests.privileged.helpers import Child, daemon, free_port, wait_attached, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "kvwatch-rules.yaml"
@@ -163,7 +163,7 @@ def test_reuse_collapse_reaches_alertmanager_both_ways(tmp_path: Path, alertmana
         try:
             with Child("cuda", "--lib-dir", str(stub)) as w:
                 w.expect("ready")
-                wait_until(lambda: d.value("kvwatch_cuda_probes_attached", pid=str(w.pid)) > 0, 15, "attached")
+                wait_attached(d, w.pid)
                 w.step("cached 1 3.5", "done", timeout=30)  # a quiet baseline
                 assert am_alerts(alertmanager, "KVCacheReuseCollapse") == []
                 t0 = time.monotonic()
@@ -208,7 +208,7 @@ def test_promtool_on_the_real_exposition_and_the_shipped_rules(tmp_path: Path) -
     assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
     res = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True, check=False)
     rules = RULES.read_text().count("\n      - alert: ")
-    assert rules == 11 and f"SUCCESS: {rules} rules found" in res.stdout, res.stdout + res.stderr  # promtool read each
+    assert rules == 13 and f"SUCCESS: {rules} rules found" in res.stdout, res.stdout + res.stderr  # promtool read each
     res = subprocess.run(
         [PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, check=False, cwd=RULES.parent
     )

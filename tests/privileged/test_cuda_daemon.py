@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_until
+from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_attached, wait_until
 
 RULE = workload_rule("stubengine", "cuda")
 CONFIG = rf"""
@@ -41,10 +41,6 @@ def kvw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         yield d
 
 
-def attached(d: DaemonProcess, pid: int) -> bool:
-    return d.value("kvwatch_cuda_probes_attached", pid=str(pid)) > 0
-
-
 def alert(d: DaemonProcess, pid: int, name: str = "KVCacheReuseCollapse") -> dict[str, str] | None:
     for lab, v in d.metrics().get("kvwatch_alert_active", []):
         if lab["alert"] == name and lab["pid"] == str(pid) and v == 1:
@@ -62,7 +58,7 @@ def scenario(
 ) -> None:
     with Child("cuda", "--lib-dir", str(stub)) as w:
         w.expect("ready")
-        wait_until(lambda: attached(d, w.pid), 10, "CUDA probes attached")
+        wait_attached(d, w.pid)
         w.step("cached 1 3.5", "done", timeout=30)  # warm-up and a quiet baseline: every tensor from the cache
         assert alert(d, w.pid, name) is None
         t0 = time.monotonic()
@@ -81,7 +77,7 @@ def scenario(
 def test_metrics_from_the_stub(kvw: DaemonProcess, stub: Path) -> None:
     with Child("cuda", "--lib-dir", str(stub), "--prealloc", "0") as w:
         w.expect("ready")
-        wait_until(lambda: attached(kvw, w.pid), 10, "CUDA probes attached")
+        wait_attached(kvw, w.pid)
         w.step("emptycache 100 1", "done", timeout=30)
         w.step("expandable 100 0.5", "done", timeout=30)
         pid = str(w.pid)

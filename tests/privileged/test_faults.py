@@ -35,6 +35,7 @@ from tests.privileged.helpers import (
     daemon,
     free_port,
     settled,
+    wait_attached,
     wait_closes,
     wait_until,
 )
@@ -127,9 +128,7 @@ def test_library_unmapped_while_probed_then_mapped_again(tmp_path: Path, stub: P
             wait_until(lambda: watched(d, w.pid), 10, "watched")
             w.step(f"load {lib}", "loaded")
             pid = str(w.pid)
-            wait_until(
-                lambda: d.value("kvwatch_cuda_probes_attached", pid=pid) > 0, 15, "attached to the loaded runtime"
-            )
+            wait_attached(d, w.pid)
             w.step("calllast 23", "done 23 0")
             wait_until(lambda: d.value("kvwatch_cuda_alloc_calls_total", pid=pid, result="ok") == 23, 5, "23 counted")
             w.step("unload", "unloaded")
@@ -323,14 +322,14 @@ def test_kill_9_leaves_nothing_behind_and_restart_works(tmp_path: Path, stub: Pa
         w.expect("ready")
         d = DaemonProcess(tmp_path, toml())
         d.wait_ready()
-        wait_until(lambda: d.value("kvwatch_cuda_probes_attached", pid=str(w.pid)) > 0, 15, "attached")
+        wait_attached(d, w.pid)
         d.proc.kill()
         d.proc.wait()
         d.stop()
         assert bcc_probe_events_of(d.proc.pid) == []  # nothing of kvwatch left in tracefs
         t0 = time.monotonic()
         with daemon(tmp_path, toml()) as d2:
-            wait_until(lambda: d2.value("kvwatch_cuda_probes_attached", pid=str(w.pid)) > 0, 15, "re-attached")
+            wait_attached(d2, w.pid)
             assert time.monotonic() - t0 < 30
             w.step("growth 7 1", "done", timeout=30)
             wait_until(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_until
+from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_attached, wait_until
 
 CONFIG = rf"""
 [daemon]
@@ -49,8 +49,7 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
     with daemon(tmp_path, CONFIG) as d, Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
         w.expect("ready")
         pid = str(w.pid)
-        wait_until(lambda: d.value("kvwatch_cuda_probes_attached", pid=pid) > 0, 15, "CUDA probes attached")
-        symbols = settled(lambda: d.value("kvwatch_cuda_probes_attached", pid=pid), quiet=1.5, timeout=30)
+        symbols = wait_attached(d, w.pid)
         wait_until(lambda: d.value("kvwatch_uprobe_canary_call_seconds") > 0, 30, "canary timed")
         assert d.value("kvwatch_bpf_stats_enabled") == 1
         assert call(w, "copy 1 23 4096") == "done 23 0"

@@ -18,7 +18,7 @@ import pytest
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.workloads import MIB, PAGE, make_files, resident_total, workload_rule
 
-from tests.privileged.helpers import KVWATCH, Child, DaemonProcess, daemon, free_port, wait_until
+from tests.privileged.helpers import KVWATCH, Child, daemon, free_port, wait_attached
 from tests.trace_format import problems
 
 CONFIG = r"""
@@ -56,10 +56,6 @@ def config(kvdir: Path, port: int = 0) -> str:
     return CONFIG.format(port=port or free_port(), kvdir=kvdir, cuda_rule=cuda, nixl_rule=nixl)
 
 
-def attached(d: DaemonProcess, pid: int) -> bool:
-    return d.value("kvwatch_cuda_probes_attached", pid=str(pid)) > 0
-
-
 def top(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVWATCH, "top", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -77,7 +73,7 @@ ALLOC, FREE, DEV, HOST = 4, 6, 7, 8
 def test_once_shows_the_known_workload(tmp_path: Path, kvdir: Path, stub: Path) -> None:
     with daemon(tmp_path, config(kvdir)) as d, Child("cuda", "--lib-dir", str(stub), "--prealloc", "0") as w:
         w.expect("ready")
-        wait_until(lambda: attached(d, w.pid), 15, "CUDA probes attached")
+        wait_attached(d, w.pid)
         w.step("growth 23 1", "done", timeout=30)  # 23 segments of 20 MiB, kept
         res = top("--once", "--url", d.url(""), "--interval", "0.5")
         assert res.returncode == 0, res.stderr
@@ -167,7 +163,7 @@ class Tmux:
 def test_live_view_in_tmux(tmp_path: Path, kvdir: Path, stub: Path) -> None:
     with daemon(tmp_path, config(kvdir)) as d, Child("cuda", "--lib-dir", str(stub), "--prealloc", "0") as w:
         w.expect("ready")
-        wait_until(lambda: attached(d, w.pid), 15, "CUDA probes attached")
+        wait_attached(d, w.pid)
         w.step("growth 23 1", "done", timeout=30)
         cmd = " ".join([*KVWATCH, "top", "--url", d.url(""), "--interval", "0.5"])
         t = Tmux(f"{cmd}; echo EXITED rc=$?; sleep 120")
