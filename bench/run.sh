@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 command -v gcc >/dev/null || apt-get install -y -qq gcc >/dev/null
 .venv/bin/python bench/bench_memory.py --rounds "${ROUNDS:-5}" --seconds "${SECONDS_PER_MODE:-20}" --out bench/results/memory.md
 .venv/bin/python bench/bench_cuda.py --rounds "${ROUNDS:-5}" --out bench/results/cuda.md
+.venv/bin/python bench/bench_live_cost.py --rounds "${ROUNDS:-5}" --out bench/results/live_cost.md
 .venv/bin/python bench/bench_transfer.py --rounds "${ROUNDS:-5}" --out bench/results/transfer.md
 .venv/bin/python bench/bench_kv_events.py --seconds "${KV_SECONDS:-10}" --out bench/results/kv_events.md
 .venv/bin/python bench/bench_kv_memory.py --seconds "${KV_MEMORY_SECONDS:-60}" --out bench/results/kv_memory.md

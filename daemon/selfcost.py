@@ -95,6 +95,7 @@ class SelfCost:
     def __init__(self, config: SelfCostConfig) -> None:
         self.config = config
         self.canary_ns: float | None = None
+        self.canary_program_ns = 0.0  # of that, the canary's own minimal programs (BPF statistics on)
         self.canary_error = ""
         self.bpf_stats = False
         self._bpf_per_call: dict[str, float] = {}
@@ -103,8 +104,10 @@ class SelfCost:
         self.sheds: dict[str, int] = {}
 
     # --- the per-call cost ------------------------------------------------------------------
-    def calibrated(self, canary_ns: float | None, error: str = "") -> None:
-        self.canary_ns, self.canary_error = canary_ns, error
+    def calibrated(self, canary_ns: float | None, error: str = "", program_ns: float = 0.0) -> None:
+        """``program_ns``: the canary's own programs' time per call, where the statistics gave it:
+        with a family's program time added instead, the traps are what is left of the canary."""
+        self.canary_ns, self.canary_error, self.canary_program_ns = canary_ns, error, program_ns
 
     def programs(self, runs: Mapping[str, Mapping[str, tuple[int, int]]], stats_on: bool) -> None:
         """Per family, per BPF function: (run_time_ns, run_cnt) since the load."""
@@ -124,7 +127,9 @@ class SelfCost:
             return self.config.call_cost_ns
         if self.canary_ns is None:
             return None
-        return self.canary_ns + self._bpf_per_call.get(family, 0.0)
+        if family in self._bpf_per_call:
+            return self.canary_ns - self.canary_program_ns + self._bpf_per_call[family]
+        return self.canary_ns
 
     def source(self, family: str) -> str:
         if self.config.call_cost_ns > 0:
@@ -240,7 +245,7 @@ def calibrate_in_background(meter: SelfCost, measure: object) -> threading.Threa
             meter.calibrated(None, str(err))
             log.warning("uprobe cost canary failed: the budget is not enforced", error=str(err))
             return
-        meter.calibrated(result.call_ns)
+        meter.calibrated(result.call_ns, program_ns=result.bpf_ns / result.calls if result.bpf_runs else 0.0)
         log.info(
             "uprobe cost measured",
             call_ns=round(result.call_ns, 1),

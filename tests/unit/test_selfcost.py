@@ -102,6 +102,8 @@ def test_bpf_statistics_add_the_programs_own_time_per_call() -> None:
     m = meter(1500.0)
     m.programs({"cuda": {"kvw_enter_cudaMalloc": (30_000, 100), "kvw_return_cudaMalloc": (20_000, 100)}}, True)
     assert m.call_ns("cuda") == pytest.approx(1500.0 + 2 * 50_000 / 200)
+    m.calibrated(1500.0, program_ns=140.0)  # the canary's own two minimal programs: counted once only
+    assert m.call_ns("cuda") == pytest.approx(1360.0 + 2 * 50_000 / 200)
     assert (
         m.call_ns("transfer") == 1500.0 and m.source("cuda") == "canary+bpf_stats" and m.source("transfer") == "canary"
     )
