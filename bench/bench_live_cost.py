@@ -410,13 +410,13 @@ def render(rows: list[dict[str, float]], beside: int, loads: list[float]) -> str
         "* benchmark, CUDA: the loop's wall time per call watched minus unwatched (daemon stopped), same binary, "
         "same round: everything a probed call costs its caller — the entry trap and the return trampoline, the "
         "uprobe dispatch, both BPF programs, and the kernel's BPF statistics' own accounting (on while watched).",
-        '* live, CUDA: `kvwatch_uprobe_call_cost_seconds{family="cuda"}` = the canary + the family\'s mean BPF '
-        "program time per call (entry + return run). The canary is timed once at daemon start in kvwatch's own "
+        '* live, CUDA: `kvwatch_uprobe_call_cost_seconds{family="cuda"}` = the canary\'s traps (the canary less its '
+        "own two minimal programs) + the family's mean BPF program time per call (entry + return run). The canary "
+        "is timed once at daemon start in kvwatch's own "
         "process (libc `basename` through ctypes, probed - plain): the two traps and a minimal program, under "
         "whatever load the machine had in that second. The BPF column is the kernel's run time over runs of "
         "kvw_enter/return_cudaMalloc and _cudaFree in the round, per call: the program bodies only, not the trap "
-        "or the dispatch. Canary + BPF counts a minimal program twice over (the canary's own two runs are in its "
-        "number), one reason the live estimate reads a little above the benchmark.",
+        "or the dispatch.",
         "* process cost: `kvwatch_uprobe_cost_seconds_total{family=\"cuda\"}` for the loop's process (each tick's "
         "probed calls x the per-call estimate of that tick) against calls x the benchmark's per-call cost; the "
         "process is held open after its loop so the daemon's last tick counts every call.",
