@@ -212,15 +212,12 @@ class PerProcessUprobes(Generic[E]):
             return SymbolAttach(lib.path, api.label, HookState.FAILED, err.reason)
         return SymbolAttach(lib.path, api.label, HookState.ATTACHED)
 
-    def detach(self, pid: int, *, keep_counters: bool = False) -> int:
-        """Detach every probe of ``pid``; its in-kernel counters go too unless ``keep_counters``
-        (probes shed by the cost budget: the counts resume from where they were)."""
+    def detach(self, pid: int) -> int:
         att = self.attachments.pop(pid, None)
         if att is None:
             return 0
         n = sum(1 for ev in att.events if self.program.detach_uprobe_event(ev))
-        if not keep_counters:
-            self.forget_counters(pid)
+        self.forget_counters(pid)
         return n
 
     def shed(self, pid: int, labels: Iterable[str]) -> int:
