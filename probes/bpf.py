@@ -178,7 +178,7 @@ class Program:
         them while BPF statistics are on (``kernel.bpf_stats_enabled``); zeros while off."""
         out: dict[str, tuple[int, int]] = {}
         for name, fn in list(self._bpf.funcs.items()):
-            ns, cnt = fdinfo_field(fn.fd, "run_time_ns"), fdinfo_field(fn.fd, "run_cnt")
+            ns, cnt = fdinfo_fields(fn.fd, ("run_time_ns", "run_cnt"))
             out[name.decode() if isinstance(name, bytes) else str(name)] = (int(ns or 0), int(cnt or 0))
         return out
 
@@ -237,25 +237,34 @@ def enable_bpf_stats() -> int:
 
 
 def fdinfo_field(fd: int, key: str) -> str | None:
-    """Field ``key`` of this process's /proc/self/fdinfo/``fd``; None when absent or the descriptor is gone.
+    """Field ``key`` of this process's /proc/self/fdinfo/``fd``; None when absent or the descriptor is gone."""
+    return fdinfo_fields(fd, (key,))[0]
 
-    Read every tick for each attached hook, so it is plain os calls and one byte search,
-    with no file object and no parsed dict: those cost several times as much, paid per
+
+def fdinfo_fields(fd: int, keys: Sequence[str]) -> list[str | None]:
+    """Fields of this process's /proc/self/fdinfo/``fd`` from one read; None when absent or gone.
+
+    Read every tick for each attached hook, so it is plain os calls and one byte search per
+    field, with no file object and no parsed dict: those cost several times as much, paid per
     hook per tick."""
     try:
         f = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY)
     except OSError:
-        return None
+        return [None] * len(keys)
     try:
         text = os.read(f, 4096)
     finally:
         os.close(f)
-    i = text.find(f"\n{key}:".encode())
-    if i < 0:
-        return None
-    start = i + len(key) + 2
-    end = text.find(b"\n", start)
-    return text[start : end if end >= 0 else None].strip().decode()
+    out: list[str | None] = []
+    for key in keys:
+        i = text.find(f"\n{key}:".encode())
+        if i < 0:
+            out.append(None)
+            continue
+        start = i + len(key) + 2
+        end = text.find(b"\n", start)
+        out.append(text[start : end if end >= 0 else None].strip().decode())
+    return out
 
 
 def _release_uprobe(fd: int, event: bytes) -> None:
