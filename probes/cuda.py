@@ -154,6 +154,14 @@ class ProcessCuda:
                 out[api.kind] -= c.bytes
         return out
 
+    def calls_by_api(self) -> dict[str, int]:
+        """Calls made (ok or not) per API label, a copy API's directions together."""
+        out: dict[str, int] = {}
+        for label, c in self.apis.items():
+            api = label.partition(":")[0]
+            out[api] = out.get(api, 0) + c.ok + c.err
+        return out
+
     def copy_bytes(self, direction: str) -> int:
         """Bytes copied in one direction (h2d, d2h, ...) by every copy API."""
         return sum(c.bytes for label, c in self.apis.items() if label.endswith(f":{direction}"))

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
-from kvwatch.daemon.detectors.view import NodeView
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
 from kvwatch.daemon.engines.records import AuditRow
 
 ALERT = "KVEngineMetricDivergence"
@@ -45,54 +46,41 @@ def describe(row: AuditRow) -> str:
     )
 
 
-class EngineMetricDivergence:
+class EngineMetricDivergence(ProcessDetector[MetricDivergenceConfig, _State]):
     name = ALERT
 
-    def __init__(self, config: MetricDivergenceConfig) -> None:
-        self.config = config
-        self._state: dict[str, _State] = {}
+    def applies(self, p: ProcessWindow) -> bool:
+        return bool(p.audit)
 
-    def forget(self, subject_key: str) -> None:
-        self._state.pop(subject_key, None)
+    def new_state(self) -> _State:
+        return _State()
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        if not self.config.enabled:
-            return []
-        out = []
-        for key, p in view.processes.items():
-            if not p.audit:
-                continue
-            st = self._state.setdefault(key, _State())
-            firing: list[AuditRow] = []
-            for row in p.audit:
-                ps = st.pairs.get(row.pair)
-                if ps is None:
-                    ps = st.pairs[row.pair] = _Pair(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
-                if row.window != ps.window:  # a new window: one step of the count
-                    ps.window, ps.stepped_at = row.window, view.now
-                    ps.hysteresis.step(row.diverged, not row.diverged, view.now)
-                elif view.now - ps.stepped_at >= self.config.window_seconds:
-                    # no window judged in a window's time (traffic under the floor, kvwatch's own
-                    # evidence incomplete): nothing says it still diverges, so that counts as cool
-                    ps.stepped_at = view.now
-                    ps.hysteresis.step(False, True, view.now)
-                if ps.hysteresis.firing:
-                    firing.append(row)
-            lead = firing[0] if firing else p.audit[0]
-            values = {
-                f"{r.pair}_{side}": v for r in p.audit for side, v in (("engine", r.engine), ("kvwatch", r.kvwatch))
-            }
-            values.update({f"{r.pair}_divergence": round(r.divergence, 6) for r in p.audit})
-            out.append(
-                Finding(
-                    alert=ALERT,
-                    subject=Subject(key, p.subject.labels),
-                    firing=bool(firing),
-                    cause=lead.pair if firing else "",
-                    values=values,
-                    summary=f"pid {p.subject.labels.get('pid', '?')} "
-                    + "; ".join(describe(r) for r in (firing or [lead])),
-                    severity=self.config.severity,
-                )
-            )
-        return out
+    def _step(self, st: _State, row: AuditRow, now: float) -> bool:
+        """One pair's count of windows; True while it fires."""
+        ps = st.pairs.get(row.pair)
+        if ps is None:
+            ps = st.pairs[row.pair] = _Pair(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
+        if row.window != ps.window:  # a new window: one step of the count
+            ps.window, ps.stepped_at = row.window, now
+            ps.hysteresis.step(row.diverged, not row.diverged, now)
+        elif now - ps.stepped_at >= self.config.window_seconds:
+            # no window judged in a window's time (traffic under the floor, kvwatch's own
+            # evidence incomplete): nothing says it still diverges, so that counts as cool
+            ps.stepped_at = now
+            ps.hysteresis.step(False, True, now)
+        return ps.hysteresis.firing
+
+    def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
+        firing = [row for row in p.audit if self._step(st, row, now)]
+        lead = firing[0] if firing else p.audit[0]
+        values = {f"{r.pair}_{side}": v for r in p.audit for side, v in (("engine", r.engine), ("kvwatch", r.kvwatch))}
+        values.update({f"{r.pair}_divergence": round(r.divergence, 6) for r in p.audit})
+        return Finding(
+            alert=ALERT,
+            subject=Subject(key, p.subject.labels),
+            firing=bool(firing),
+            cause=lead.pair if firing else "",
+            values=values,
+            summary=f"pid {p.subject.labels.get('pid', '?')} " + "; ".join(describe(r) for r in (firing or [lead])),
+            severity=self.config.severity,
+        )

@@ -3,13 +3,17 @@ their own per process (dropped with the process)."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
-from kvwatch.daemon.config import DetectorCommon
 from kvwatch.daemon.detectors.base import Finding
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 
-C = TypeVar("C", bound=DetectorCommon)
+
+class _Switchable(Protocol):
+    enabled: bool
+
+
+C = TypeVar("C", bound=_Switchable)
 S = TypeVar("S")
 
 
@@ -32,12 +36,16 @@ class ProcessDetector(Generic[C, S]):
             return []
         out = []
         for key, p in view.processes.items():
-            if all(n in p.series.series for n in self.needs):
+            if self.applies(p):
                 st = self._state.get(key)
                 if st is None:
                     st = self._state[key] = self.new_state()
                 out.append(self.judge(key, st, p, view.now))
         return out
+
+    def applies(self, p: ProcessWindow) -> bool:
+        """Judged at all: by default, the process has every series in ``needs``."""
+        return all(n in p.series.series for n in self.needs)
 
     def new_state(self) -> S:
         raise NotImplementedError

@@ -83,9 +83,13 @@ def _drill(config: Config, procfs: ProcFS, call_ns: float) -> Check:
             probes.close()
 
 
-def _copies(probes: CudaProbes, pid: int) -> int:
+def _calls(probes: CudaProbes, pid: int, api: str) -> int:
     s = probes.sample().processes.get(pid)
-    return sum(c.ok + c.err for label, c in s.apis.items() if label.startswith(f"{COPY}:")) if s else 0
+    return s.calls_by_api().get(api, 0) if s else 0
+
+
+def _copies(probes: CudaProbes, pid: int) -> int:
+    return _calls(probes, pid, COPY)
 
 
 def _run_drill(probes: CudaProbes, lib: Path, procfs: ProcFS, call_ns: float, budget: float) -> Check:
@@ -121,9 +125,3 @@ def _run_drill(probes: CudaProbes, lib: Path, procfs: ProcFS, call_ns: float, bu
         f"{DRILL_CALLS} copies counted, {kept} of {DRILL_CALLS} cudaMalloc still counted; attached again: "
         f"{after} of {DRILL_CALLS}",
     )
-
-
-def _calls(probes: CudaProbes, pid: int, api: str) -> int:
-    s = probes.sample().processes.get(pid)
-    c = s.apis.get(api) if s else None
-    return c.ok + c.err if c else 0

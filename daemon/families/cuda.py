@@ -103,17 +103,12 @@ class CudaTracker(FamilyTracker):
 
     def api_calls(self, pid: int) -> dict[str, float]:
         c = self._counters.get(pid)
-        out: dict[str, float] = {}
-        for label, a in c.apis.items() if c is not None else ():
-            api = label.partition(":")[0]  # copies are counted per direction
-            out[api] = out.get(api, 0.0) + a.ok + a.err
-        return out
+        return {api: float(n) for api, n in c.calls_by_api().items()} if c is not None else {}
 
     def calls(self, pid: int) -> float | None:
-        c = self._counters.get(pid)
-        if c is None:
-            return None if pid not in self.attached else 0.0
-        return float(sum(a.ok + a.err for a in c.apis.values()))
+        if pid not in self.attached:
+            return None
+        return sum(self.api_calls(pid).values(), 0.0)
 
     def state(self, pid: int) -> CudaProcessState | None:
         a = self.attached.get(pid)
