@@ -16,7 +16,7 @@ from kvwatch.daemon.lab.netlab import Link, veth_pair
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import DaemonProcess, daemon, wait_until
+from tests.privileged.helpers import DaemonProcess, daemon, wait_attached, wait_until
 
 SIZE = 2 << 20
 RULE = workload_rule("nixltest", "initiator", module="nixl_peer")
@@ -56,9 +56,7 @@ def test_throttled_link_fires_and_release_clears(tmp_path: Path, link: Link) -> 
     with daemon(tmp_path, CONFIG) as d:
         init = NixlPeer("initiator", meta, SIZE, handles=64, netns=link.a, env={**tcp, "UCX_NET_DEVICES": link.dev_a})
         try:
-            wait_until(
-                lambda: d.value("kvwatch_transfer_probes_attached", pid=str(init.pid)) > 0, 15, "probes attached"
-            )
+            wait_attached(d, init.pid, family="transfer")
             base = init.ask("rate 20 8")  # ~40 MB/s over a ~1 GB/s link: the normal
             assert base["errors"] == 0 and base["completed"] == base["posted"] > 100
             assert not collapse_active(d, init.pid)
