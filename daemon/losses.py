@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvwatch.daemon.detectors.view import OomEvent
 from kvwatch.daemon.engines.audit import BLOCK_BYTES
 from kvwatch.daemon.engines.ledger import LossLedger
-from kvwatch.daemon.engines.records import LOST_BYTES, MediumTotals
+from kvwatch.daemon.engines.records import LOST_BYTES
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.tracker import Tracked
@@ -56,11 +56,7 @@ def account_oom(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]
         victim = by_key.get(ev.subject.key) if not ev.sibling_of else None  # a sibling held no KV
         owner = taps.family_owner(victim, alive) if victim is not None else None
         if owner is not None:
-            media: dict[str, MediumTotals] = {}
-            for s in taps.streams_of(owner):
-                for name, m in s.media.items():
-                    media[name] = media.get(name, MediumTotals()) + m
-            ledger.of(owner).oom(media)
+            ledger.of(owner).oom(g for s in taps.streams_of(owner) for g in s.groups)
 
 
 def _tiers(ledger: LossLedger, memory: MemoryFamily) -> None:

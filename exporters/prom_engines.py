@@ -66,7 +66,20 @@ class _KvEventFamilies:
             "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
             labels=[*labels, "medium"],
         )
+        self.announced = CounterMetricFamily(
+            "kvwatch_kv_blocks_announced",
+            "KV blocks the engine announced again while it held them, as a request's prefix: prefix-cache "
+            "hits it reports (vLLM kv_cache_report_mode full), not stores",
+            labels=[*labels, "medium"],
+        )
         self.regret = _RegretFamilies([*labels, "medium"])
+        self.groups = _GroupFamilies(labels)
+        self.extras = CounterMetricFamily(
+            "kvwatch_kv_blocks_stored_extra_keys",
+            "KV blocks stored whose hash carries an extra key: a LoRA adapter (lora), a request's cache "
+            "salt (cache_salt, its first block), multimodal inputs, prompt embeddings",
+            labels=[*labels, "key"],
+        )
         self.resets = CounterMetricFamily(
             "kvwatch_kv_cache_resets", "AllBlocksCleared events (prefix-cache reset, sleep)", labels=labels
         )
@@ -87,8 +100,12 @@ class _KvEventFamilies:
                 self.stored.add_metric([*v, medium], m.stored)
                 self.removed.add_metric([*v, medium], m.removed)
                 self.young.add_metric([*v, medium], m.removed_young)
+                self.announced.add_metric([*v, medium], m.announced)
                 self.regret.add([*v, medium], m, e.regret_ratio.get(medium))
             self.resets.add_metric(v, cache_resets(e.streams))
+            self.groups.add(v, e)
+            for key, n in sorted(e.extras.items()):
+                self.extras.add_metric([*v, key], n)
         for x in e.streams:
             self._add_stream([*v, x.spec.endpoint, str(x.spec.dp_rank)], x)
 
@@ -100,11 +117,64 @@ class _KvEventFamilies:
             self.bad.add_metric([*sv, kind], n)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.stored, self.removed, self.young)
+        yield from (self.stored, self.removed, self.young, self.announced)
         yield from self.regret.families()
+        yield from self.groups.families()
+        yield self.extras
         yield from (self.resets, self.connected)
         yield from (self.per_stream[a] for a in ("batches", "gaps", "replayed", "lost"))
         yield from (self.bad, self.per_stream["restarts"])
+
+
+class _GroupFamilies:
+    """Per KV cache group (hybrid models): its physical blocks. Only for a medium whose stream
+    announced more than one group; a single-group engine's are the medium's own counts."""
+
+    COUNTERS = (
+        ("stored", "stored", "KV blocks stored"),
+        ("removed", "removed", "KV blocks evicted"),
+        ("removed_young", "removed_young", "KV blocks evicted within engines.thrash_seconds of being stored"),
+        ("regretted", "regretted", "KV blocks stored again after the engine removed them"),
+        ("restored", "restored", "KV blocks stored again while the engine still held them"),
+    )
+
+    def __init__(self, labels: list[str]) -> None:
+        g = [*labels, "medium", "group", "kind"]
+        self.counters = {
+            attr: CounterMetricFamily(f"kvwatch_kv_group_blocks_{name}", f"{doc}, per KV cache group", labels=g)
+            for attr, name, doc in self.COUNTERS
+        }
+        self.resident = GaugeMetricFamily(
+            "kvwatch_kv_group_blocks_resident", "KV blocks held now, per KV cache group", labels=g
+        )
+        self.info = GaugeMetricFamily(
+            "kvwatch_kv_cache_group_info",
+            "a KV cache group the engine announced: its attention kind, its sliding window in tokens, "
+            "whether the medium's logical counts follow it (reference), where the medium lives (locality)",
+            labels=[*g, "sliding_window", "reference", "locality"],
+        )
+
+    def add(self, v: list[str], e: EngineView) -> None:
+        groups = e.groups
+        per_medium: dict[str, int] = {}
+        for g in groups:
+            per_medium[g.medium] = per_medium.get(g.medium, 0) + 1
+        localities = e.localities
+        for g in groups:
+            gv = [*v, g.medium, str(g.group), g.kind or "unknown"]
+            if g.kind:
+                window = str(g.sliding_window or "")
+                ref = "true" if g.reference else "false"
+                self.info.add_metric([*gv, window, ref, localities.get(g.medium, "")], 1)
+            if per_medium[g.medium] < 2:
+                continue
+            for attr, fam in self.counters.items():
+                fam.add_metric(gv, getattr(g.totals, attr))
+            self.resident.add_metric(gv, g.totals.resident)
+
+    def families(self) -> Iterator[Metric]:
+        yield from self.counters.values()
+        yield from (self.resident, self.info)
 
 
 class _RegretFamilies:

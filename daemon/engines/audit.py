@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.engines.records import AuditRow
+from kvwatch.daemon.engines.records import PHYSICAL_STORED, AuditRow
 from kvwatch.daemon.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
@@ -88,8 +88,8 @@ PAIRS = (
         EQUAL,
         "engine_offload_store_bytes",
         "vllm:kv_offload_store_bytes",
-        "kv_stored_blocks:CPU",
-        "KV event stream CPU blocks stored x block size",
+        f"{PHYSICAL_STORED}CPU",
+        "KV event stream CPU blocks stored (every KV cache group) x block size",
         requires=(BLOCK_BYTES,),
         scale=BLOCK_BYTES,
         stream=True,
@@ -101,7 +101,7 @@ PAIRS = (
         POOL_BLOCKS,
         "vllm:cache_config_info num_gpu_blocks",
         RESIDENT_GPU,
-        "KV event stream GPU blocks resident",
+        "KV event stream GPU blocks resident (every KV cache group)",
         stream=True,
         gauge=True,
     ),

@@ -49,6 +49,7 @@ class MediumBlocks:
         "_regret_le",
         "_removed_at",
         "_stored_at",
+        "announced",
         "cleared",
         "dropped",
         "regret_seconds",
@@ -66,6 +67,7 @@ class MediumBlocks:
         self.restored = 0  # stored again while still resident
         self.cleared = 0  # resident when an AllBlocksCleared dropped them
         self.dropped = 0  # removed without a lower tier ever holding them
+        self.announced = 0  # held blocks announced again (prefix-cache hits): nothing changes
         self.regret_seconds = 0.0
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
@@ -122,6 +124,12 @@ class MediumBlocks:
             known = max((m.knows(fps) for m in lower), default=0)
             self.dropped += len(fps) - min(known, len(fps))
 
+    def holds(self, h: Hash) -> bool:
+        return self._stored_at.count([fingerprint(h)]) > 0
+
+    def announce(self, n: int) -> None:
+        self.announced += n
+
     def knows(self, fps: Sequence[int]) -> int:
         """How many of the hash fingerprints this medium holds or has removed (as far as it
         remembers)."""
@@ -164,6 +172,7 @@ class MediumBlocks:
             regret_buckets=tuple(self._regret_le),
             stores_forgotten=self._stored_at.forgotten,
             removals_forgotten=self._removed_at.forgotten,
+            announced=self.announced,
         )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.groups import MediumGroups
 from kvwatch.daemon.engines.records import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
@@ -34,7 +35,9 @@ from kvwatch.daemon.engines.wire import (
     REMOVED,
     STORED,
     Decoder,
+    StoredEvent,
     WireError,
+    extra_keys,
     parse_frames,
     parse_replay,
     replay_request,
@@ -73,8 +76,9 @@ class _Stream:
         self.decoder = Decoder()
         self.connected = False
         self.expected: int | None = None
-        self.bounds = bounds  # per medium: store times, removals remembered
-        self.media: dict[str, MediumBlocks] = {}
+        self.bounds = bounds  # per medium and group: store times, removals remembered
+        self.media: dict[str, MediumGroups] = {}
+        self.extras: dict[str, int] = {}  # blocks stored with extra keys, by key: lora, cache_salt, ...
         self.batches = self.events = self.cleared = 0
         self.gaps = self.missed = self.replayed = self.lost = self.restarts = self.replay_requests = 0
         self.errors: dict[str, int] = {}
@@ -96,7 +100,9 @@ class _Stream:
             connected=self.connected,
             batches=self.batches,
             events=self.events,
-            media={k: m.totals() for k, m in self.media.items()},
+            media={k: m.logical() for k, m in self.media.items()},
+            groups=tuple(g for k, m in self.media.items() for g in m.totals(k)),
+            localities={k: m.locality for k, m in self.media.items() if m.locality},
             cleared=self.cleared,
             gaps=self.gaps,
             missed=self.missed,
@@ -109,6 +115,7 @@ class _Stream:
             last_batch_ts=self.last_ts,
             last_message_at=self.last_at,
             tracked_blocks=sum(m.remembered for m in self.media.values()),
+            extras=dict(self.extras),
         )
 
 
@@ -292,17 +299,25 @@ class KVEventHub:
             return
         if batch.skipped:
             self._error(st, "event", batch.skipped)
+        if batch.undescribed:
+            self._error(st, "field", batch.undescribed)
         st.batches += 1
         st.events += len(batch.events)
         ts = batch.ts
         st.last_ts = max(st.last_ts, ts)
         young_before = ts - self.thrash_seconds
+        for ev in batch.events:  # the groups a batch describes, known before any of its blocks count
+            if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
+                mg = self._medium(st, ev.medium)
+                mg.group(ev.group_idx)
+                mg.learn(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality)
         for ev in batch.events:
             if isinstance(ev, STORED):
-                alone = len(ev.block_hashes) == 1 and ev.parent_block_hash != NIL
-                self._medium(st, ev.medium).store(ev.block_hashes, ts, ev.block_size, alone)
+                self._store(st, ev, ts)
             elif isinstance(ev, REMOVED):
-                self._medium(st, ev.medium).remove(ev.block_hashes, ts, young_before, self._lower(st, ev.medium))
+                mg = self._medium(st, ev.medium)
+                idx = ev.group_idx
+                mg.group(idx).remove(ev.block_hashes, ts, young_before, self._lower(st, ev.medium, mg, idx))
             elif isinstance(ev, CLEARED):
                 st.cleared += 1
                 self._settle(st, float("inf"))  # what waits is judged before the memories go
@@ -310,25 +325,63 @@ class KVEventHub:
                     m.drop_all()
         self._settle(st, ts)
 
+    def _store(self, st: _Stream, ev: StoredEvent, ts: float) -> None:
+        mg = self._medium(st, ev.medium)
+        blocks = mg.group(ev.group_idx)
+        if ev.locality is not None:
+            mg.learn(ev.group_idx, None, None, ev.locality)
+        hashes = ev.block_hashes
+        nil = ev.parent_block_hash == NIL
+        if nil and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and mg.announces(hashes, blocks):
+            blocks.announce(len(hashes))
+            return
+        blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil)
+        if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):
+            self._extras(st, ev)
+
+    @staticmethod
+    def _extras(st: _Stream, ev: StoredEvent) -> None:
+        """Blocks stored with a LoRA adapter, a cache salt (a request's first block), multimodal
+        inputs or prompt embeddings, on the medium's reference group (once per block range)."""
+        n = st.extras
+        if ev.lora_name is not None:
+            n["lora"] = n.get("lora", 0) + len(ev.block_hashes)
+        for entry in ev.extra_keys or ():
+            k = extra_keys(entry, ev.lora_name)
+            if k.salt is not None:
+                n["cache_salt"] = n.get("cache_salt", 0) + 1
+            if k.multimodal:
+                n["multimodal"] = n.get("multimodal", 0) + 1
+            if k.embeds:
+                n["prompt_embeds"] = n.get("prompt_embeds", 0) + 1
+
     def _settle(self, st: _Stream, ts: float) -> None:
         gpu = st.media.get(DEFAULT_MEDIUM)
         if gpu is not None:
-            gpu.settle(ts, self._lower(st, DEFAULT_MEDIUM))
+            for idx, g in gpu.groups.items():
+                g.settle(ts, self._lower(st, DEFAULT_MEDIUM, gpu, idx))
 
-    def _lower(self, st: _Stream, name: str | None) -> list[MediumBlocks]:
-        """For a GPU removal: the stream's other tiers that have stored blocks (the offload
-        targets the block should have reached)."""
-        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM:
+    def _lower(self, st: _Stream, name: str | None, mg: MediumGroups, idx: int | None) -> list[MediumBlocks]:
+        """For a GPU removal in a group that holds whole prefixes: the same group of the stream's
+        other tiers, where they have stored blocks (the offload targets the block should have
+        reached). A window-bounded group's blocks are offloaded by window, if at all: not judged."""
+        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM or not mg.is_full(key):
             return []
-        return [m for k, m in st.media.items() if k != DEFAULT_MEDIUM and m.stored]
+        out = []
+        for k, m in st.media.items():
+            g = m.groups.get(key) if k != DEFAULT_MEDIUM else None
+            if g is not None and g.stored:
+                out.append(g)
+        return out
 
-    def _medium(self, st: _Stream, name: str | None) -> MediumBlocks:
+    def _medium(self, st: _Stream, name: str | None) -> MediumGroups:
         key = name or DEFAULT_MEDIUM
         m = st.media.get(key)
         if m is None:
             if len(st.media) >= MAX_MEDIA or len(key) > 32 or not key.isprintable():
                 key = "other"
-            m = st.media.setdefault(key, MediumBlocks(*st.bounds))
+            m = st.media.setdefault(key, MediumGroups(st.bounds))
         return m
 
     # --- replay -----------------------------------------------------------------------------------

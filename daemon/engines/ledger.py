@@ -24,10 +24,10 @@ once it is (so the byte counter only grows); a disk tier's losses are bytes from
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvwatch.daemon.engines.records import EngineSample, LossTotal, MediumTotals, StreamStats
+from kvwatch.daemon.engines.records import EngineSample, GroupTotals, LossTotal, StreamStats
 
 GPU = "GPU"
 LOWER_TIER = "cpu"  # where a GPU block that was never offloaded should have gone
@@ -99,9 +99,9 @@ class EngineLedger:
     def __init__(self, configured_block_bytes: int = 0) -> None:
         self.block_bytes = BlockBytes(configured_block_bytes)
         self.rows: dict[tuple[str, str], _Row] = {}
-        self._seen: dict[tuple[object, str, str], float] = {}  # (source, part, field) -> last value
+        self._seen: dict[tuple[object, ...], float] = {}  # (source, part..., field) -> last value
 
-    def _delta(self, key: tuple[object, str, str], value: float) -> float:
+    def _delta(self, key: tuple[object, ...], value: float) -> float:
         last = self._seen.get(key)
         self._seen[key] = value
         return max(value - last, 0.0) if last is not None else value
@@ -121,28 +121,29 @@ class EngineLedger:
             self.rows.setdefault((tier, cause), _Row()).bytes += nbytes
 
     def streams(self, streams: Sequence[StreamStats], sample: EngineSample | None, preempting: bool) -> None:
-        """The streams' blocks removed, dropped and cleared since the last tick."""
-        cpu_stored = sum(s.media[m].stored for s in streams for m in s.media if tier_of(m) == LOWER_TIER)
+        """The streams' blocks removed, dropped and cleared since the last tick: physical blocks,
+        every KV cache group's (a hybrid model's sliding-window blocks are memory too)."""
+        cpu_stored = sum(g.totals.stored for s in streams for g in s.groups if tier_of(g.medium) == LOWER_TIER)
         if sample is not None:
             self.block_bytes.observe(sample.at, sample.offload_store_bytes, cpu_stored)
         self._price()
         for s in streams:
-            for medium, m in s.media.items():
-                tier = tier_of(medium)
-                removed = int(self._delta((s.spec, medium, "removed"), m.removed))
-                cause = "preempted" if preempting and medium == GPU else "evicted"
-                self.add_blocks(tier, cause, removed)
-                self.add_blocks(LOWER_TIER, "offload_dropped", int(self._delta((s.spec, medium, "dropped"), m.dropped)))
-                self.add_blocks(tier, "cleared", int(self._delta((s.spec, medium, "cleared"), m.cleared)))
+            for g in s.groups:
+                tier, m, key = tier_of(g.medium), g.totals, (s.spec, g.medium, g.group)
+                cause = "preempted" if preempting and g.medium == GPU else "evicted"
+                self.add_blocks(tier, cause, int(self._delta((*key, "removed"), m.removed)))
+                self.add_blocks(LOWER_TIER, "offload_dropped", int(self._delta((*key, "dropped"), m.dropped)))
+                self.add_blocks(tier, "cleared", int(self._delta((*key, "cleared"), m.cleared)))
 
     def tier(self, tier_id: int, reclaim_bytes: float, policy_bytes: float) -> None:
         """A disk tier's page cache, dropped by reclaim or by the engine deleting files."""
         self.add_bytes("disk", "reclaim", self._delta((tier_id, "disk", "reclaim"), reclaim_bytes))
         self.add_bytes("disk", "evicted", self._delta((tier_id, "disk", "policy"), policy_bytes))
 
-    def oom(self, media: Mapping[str, MediumTotals]) -> None:
-        for medium, m in media.items():
-            self.add_blocks(tier_of(medium), "oom", m.resident)
+    def oom(self, groups: Iterable[GroupTotals]) -> None:
+        """Every group's resident blocks (summed over the engine's streams by the caller or not)."""
+        for g in groups:
+            self.add_blocks(tier_of(g.medium), "oom", g.totals.resident)
 
     def _price(self) -> None:
         size = self.block_bytes.value

@@ -4,7 +4,8 @@ these, never the subscriber, scraper or planner that fill them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,23 +38,53 @@ class MediumTotals:
     regret_buckets: tuple[int, ...] = (0,) * (len(REGRET_BUCKETS) + 1)  # per bucket, the last +Inf
     stores_forgotten: int = 0  # store times dropped from a full memory (young removals missed)
     removals_forgotten: int = 0  # removals dropped from a full memory (regrets missed)
+    announced: int = 0  # held blocks announced again as a request's prefix: prefix hits ("full" report mode)
 
     def __add__(self, o: MediumTotals) -> MediumTotals:
-        return MediumTotals(
-            self.stored + o.stored,
-            self.removed + o.removed,
-            self.removed_young + o.removed_young,
-            self.regretted + o.regretted,
-            self.restored + o.restored,
-            self.cleared + o.cleared,
-            self.dropped + o.dropped,
-            self.resident + o.resident,
-            self.regret_tokens + o.regret_tokens,
-            self.regret_seconds + o.regret_seconds,
-            tuple(a + b for a, b in zip(self.regret_buckets, o.regret_buckets, strict=True)),
-            self.stores_forgotten + o.stores_forgotten,
-            self.removals_forgotten + o.removals_forgotten,
-        )
+        return MediumTotals(*(_combine(a, b, 1) for a, b in zip(_fields(self), _fields(o), strict=True)))
+
+    def __sub__(self, o: MediumTotals) -> MediumTotals:
+        """Counters since ``o`` (an earlier reading of the same blocks); ``resident`` stays ours."""
+        out = MediumTotals(*(_combine(a, b, -1) for a, b in zip(_fields(self), _fields(o), strict=True)))
+        return replace(out, resident=self.resident)
+
+
+def _fields(m: MediumTotals) -> tuple[Any, ...]:
+    return tuple(getattr(m, f) for f in MediumTotals.__slots__)
+
+
+def _combine(a: Any, b: Any, sign: int) -> Any:
+    if isinstance(a, tuple):
+        return tuple(x + sign * y for x, y in zip(a, b, strict=True))
+    return a + sign * b
+
+
+# vLLM's kv_cache_spec_kind values whose groups hold every block of a request's prefix: a prefix
+# hit needs all of them, so their blocks stand for the token ranges of the prompt. The other
+# kinds (sliding_window, sliding_window_mla, chunked_local_attention, mamba) keep only a window
+# or a state and free the rest by design. "" is an engine that does not say (vLLM < 0.26, one group).
+FULL_KINDS = frozenset({"", "full_attention", "mla_attention", "sink_full_attention", "unknown"})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupTotals:
+    """One KV cache group of one medium in one stream: its physical blocks."""
+
+    medium: str
+    group: int  # vLLM's group_idx (0 without one); OTHER_GROUP past the cap
+    kind: str  # vLLM's kv_cache_spec_kind, "" while the engine has not said
+    sliding_window: int | None  # tokens, for the window-bounded kinds
+    reference: bool  # the group the medium's logical counts follow
+    totals: MediumTotals
+
+    @property
+    def full(self) -> bool:
+        return self.kind in FULL_KINDS
+
+
+OTHER_GROUP = -1
+PHYSICAL_STORED = "kv_physical_stored_blocks:"  # + medium: every group's blocks stored, as a series of the owner
+WINDOW_BOUNDED = "kv_window_bounded:"  # + medium: gauge, 1 when its reference group keeps a window only
 
 
 LOST_BYTES = "kv_lost_bytes:"  # + tier:cause: the loss ledger's bytes as a series of the owning process
@@ -73,19 +104,23 @@ class StreamStats:
     connected: bool
     batches: int
     events: int
-    media: Mapping[str, MediumTotals]
+    media: Mapping[str, MediumTotals]  # logical: per medium, its reference group's blocks
     cleared: int  # AllBlocksCleared: prefix cache reset / sleep
     gaps: int  # times the sequence jumped
     missed: int  # batches missing when gaps were seen
     replayed: int  # of those, recovered through the replay endpoint
     lost: int  # not recovered
-    decode_errors: Mapping[str, int]  # kind -> messages (or events) dropped
+    decode_errors: Mapping[str, int]  # kind -> messages (or events) dropped; "field": events kept undescribed
     restarts: int  # the publisher's sequence began again
     replay_requests: int
     last_seq: int | None
     last_batch_ts: float  # engine wall clock of the newest batch
     last_message_at: float  # our monotonic clock
     tracked_blocks: int  # blocks whose store time is remembered
+    groups: tuple[GroupTotals, ...] = ()  # physical: per medium and KV cache group
+    localities: Mapping[str, str] = field(default_factory=dict)  # medium -> LOCAL / REMOTE, where the engine says
+    # blocks stored with extra keys in their hash: lora, cache_salt, multimodal, prompt_embeds
+    extras: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +251,31 @@ class EngineView:
 
     @property
     def media(self) -> dict[str, MediumTotals]:
-        """Per medium, the blocks' totals summed over data-parallel ranks."""
+        """Per medium, the logical blocks' totals summed over data-parallel ranks."""
         out: dict[str, MediumTotals] = {}
         for s in self.streams:
             for name, m in s.media.items():
                 out[name] = out.get(name, MediumTotals()) + m
         return out
+
+    @property
+    def groups(self) -> list[GroupTotals]:
+        """Per medium and KV cache group, the physical blocks summed over data-parallel ranks."""
+        out: dict[tuple[str, int], GroupTotals] = {}
+        for s in self.streams:
+            for g in s.groups:
+                had = out.get((g.medium, g.group))
+                out[(g.medium, g.group)] = g if had is None else replace(had, totals=had.totals + g.totals)
+        return [out[k] for k in sorted(out)]
+
+    @property
+    def extras(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.streams:
+            for k, n in s.extras.items():
+                out[k] = out.get(k, 0) + n
+        return out
+
+    @property
+    def localities(self) -> dict[str, str]:
+        return {k: v for s in self.streams for k, v in s.localities.items()}

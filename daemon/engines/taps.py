@@ -20,7 +20,9 @@ from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.engines.records import (
+    PHYSICAL_STORED,
     TIER_SERIES,
+    WINDOW_BOUNDED,
     EnginePlan,
     EngineSample,
     EngineView,
@@ -257,19 +259,25 @@ class EngineTaps:
                 "kv_batches": float(sum(s.batches for s in streams)),
             }
             for s in streams:
-                for medium, m in s.media.items():
+                for medium, m in s.media.items():  # logical: each medium's reference group
                     for name, v in (
                         (f"kv_stored_blocks:{medium}", m.stored),
                         (f"kv_removed_blocks:{medium}", m.removed),
                         (f"kv_removed_young:{medium}", m.removed_young),
                         (f"kv_regretted_blocks:{medium}", m.regretted),
                         (f"kv_restored_blocks:{medium}", m.restored),
+                        (f"kv_announced_blocks:{medium}", m.announced),
                     ):
                         values[name] = values.get(name, 0.0) + v
+                for g in s.groups:  # physical: every group's blocks
+                    name = f"{PHYSICAL_STORED}{g.medium}"
+                    values[name] = values.get(name, 0.0) + g.totals.stored
+                    if g.reference and not g.full:
+                        gauges[f"{WINDOW_BOUNDED}{g.medium}"] = 1.0
             t.series.add(now, values)
             gauges["kv_events_connected"] = float(any(s.connected for s in streams))
             gauges["kv_resident_blocks:GPU"] = float(
-                sum(s.media[m].resident for s in streams for m in s.media if m == "GPU")
+                sum(g.totals.resident for s in streams for g in s.groups if g.medium == "GPU")
             )
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None
@@ -316,7 +324,7 @@ class EngineTaps:
     @property
     def blocks_forgotten(self) -> dict[str, int]:
         """Entries the streams' full block memories dropped: store times, removals."""
-        media = [m for s in self._stats.values() for m in s.media.values()]
+        media = [g.totals for s in self._stats.values() for g in s.groups]
         return {
             "kv_store_times_forgotten": sum(m.stores_forgotten for m in media),
             "kv_removals_forgotten": sum(m.removals_forgotten for m in media),

@@ -24,7 +24,7 @@ the rest of its batch is kept.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -48,22 +48,34 @@ class WireError(ValueError):
         self.kind = kind
 
 
-# --- decoding structs (ours): only what kvwatch counts is materialised -------------------------
+# --- decoding structs (ours): only what kvwatch uses is materialised ----------------------------
 NIL = msgspec.Raw(b"\xc0")  # msgpack nil: a BlockStored without a parent block
+
+# Fields that describe a block rather than count it (its KV cache group, the group's attention
+# kind, LoRA and extra keys, where the tier lives) are typed leniently at a second try: a newer
+# release that changes one of their types loses that description, never the blocks (counted).
 
 
 class _AStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     block_hashes: list[Hash]
-    parent_block_hash: msgspec.Raw  # only whether there is one matters; any value decodes
+    parent_block_hash: msgspec.Raw  # only whether there is one (and which) matters; any value decodes
     token_ids: msgspec.Raw
     block_size: int
     lora_id: msgspec.Raw
     medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: list[Hash]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
@@ -75,20 +87,43 @@ class _MStored(msgspec.Struct, tag="BlockStored", gc=False):
     parent_block_hash: msgspec.Raw = NIL
     block_size: int = 0
     medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # per block: None, or that block's keys (``ExtraKeys``)
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 class _MRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
     block_hashes: list[Hash]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class _MCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
     pass
 
 
+class _LStored(msgspec.Struct, tag="BlockStored", gc=False):
+    """The lenient second try of a map event: what counts it, nothing that describes it."""
+
+    block_hashes: list[Hash]
+    parent_block_hash: msgspec.Raw = NIL
+    medium: str | None = None
+
+
+class _LRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[Hash]
+    medium: str | None = None
+
+
 _AEvent = _AStored | _ARemoved | _ACleared
 _MEvent = _MStored | _MRemoved | _MCleared
+_LEvent = _LStored | _LRemoved | _MCleared
 
+StoredEvent = _AStored | _MStored
 STORED = (_AStored, _MStored)
 REMOVED = (_ARemoved, _MRemoved)
 CLEARED = (_ACleared, _MCleared)
@@ -139,6 +174,7 @@ class Batch:
     events: Sequence[Event]
     data_parallel_rank: int | None
     skipped: int = 0  # events of an unknown type or shape, left out
+    undescribed: int = 0  # events kept with their descriptive fields dropped (a type kvwatch does not know)
 
 
 class Decoder:
@@ -154,6 +190,7 @@ class Decoder:
         }
         self._raw: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(_ABatchRaw), False: d(_MBatchRaw)}
         self._event: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(_AEvent), False: d(_MEvent)}
+        self._lenient = d(_LEvent)
         self._array_events = True  # the shape of the last batch that decoded
 
     def decode(self, payload: bytes) -> Batch:
@@ -184,7 +221,7 @@ class Decoder:
         except (msgspec.ValidationError, msgspec.DecodeError) as err:
             raise WireError("payload", str(err)) from None
         events: list[Event] = []
-        skipped = 0
+        skipped = undescribed = 0
         for r in raw.events:
             data = bytes(r)
             if not data:
@@ -193,9 +230,66 @@ class Decoder:
             array_event = data[0] in _ARRAY
             try:
                 events.append(self._event[array_event].decode(data))
+                continue
             except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            ev = None if array_event else self._lenient_event(data)
+            if ev is None:
                 skipped += 1
-        return Batch(raw.ts, events, raw.data_parallel_rank, skipped)
+            else:
+                undescribed += 1
+                events.append(ev)
+        return Batch(raw.ts, events, raw.data_parallel_rank, skipped, undescribed)
+
+    def _lenient_event(self, data: bytes) -> Event | None:
+        try:
+            ev = self._lenient.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        if isinstance(ev, _LStored):
+            return _MStored(ev.block_hashes, ev.parent_block_hash, medium=ev.medium)
+        if isinstance(ev, _LRemoved):
+            return _MRemoved(ev.block_hashes, ev.medium)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """What one block's ``extra_keys`` entry says: vLLM 0.26 builds it as the LoRA name, then one
+    ``(mm_hash, offset)`` pair per multimodal input in the block, then the request's
+    ``cache_salt`` (first block only), then a digest per prompt-embeddings span
+    (``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``).
+
+    The salt is a tenant's secret (it isolates its prefix cache): it is kept out of ``repr``
+    and must never reach a metric, a log line or a trace."""
+
+    lora: str | None = None
+    multimodal: int = 0
+    embeds: int = 0
+    salt: str | None = field(default=None, repr=False)
+
+
+NO_EXTRA_KEYS = ExtraKeys()
+
+
+def extra_keys(entry: object, lora_name: str | None) -> ExtraKeys:
+    """One block's entry, read in vLLM's order; anything else in it is ignored."""
+    if not isinstance(entry, list | tuple) or not entry:
+        return NO_EXTRA_KEYS
+    items = list(entry)
+    lora = None
+    if lora_name is not None and isinstance(items[0], str) and items[0] == lora_name:
+        lora = items.pop(0)
+    mm = embeds = 0
+    salt = None
+    for x in items:
+        if isinstance(x, list | tuple):
+            mm += 1
+        elif isinstance(x, str) and salt is None:
+            salt = x
+        elif isinstance(x, bytes | bytearray):
+            embeds += 1
+    return ExtraKeys(lora, mm, embeds, salt)
 
 
 def parse_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
@@ -343,9 +437,12 @@ def stored(
     medium: str | None = "GPU",
     parent: Hash | None = None,
     block_size: int | None = None,
+    **more: Any,
 ) -> dict[str, Any]:
     """A ``BlockStored``; vLLM's offloading connector announces CPU blocks as placeholders:
-    one hash, no tokens, ``block_size`` 0."""
+    one hash, no tokens, ``block_size`` 0. ``more``: the fields of newer releases
+    (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, ``locality``,
+    ``lora_name``, ``extra_keys``), kept where the layout has them."""
     if block_size is None:
         block_size = len(token_ids) // max(len(hashes), 1)
     return {
@@ -357,11 +454,12 @@ def stored(
         "lora_id": None,
         "medium": medium,
         "lora_name": None,
+        **more,
     }
 
 
-def removed(hashes: Sequence[Hash], *, medium: str | None = "GPU") -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+def removed(hashes: Sequence[Hash], *, medium: str | None = "GPU", **more: Any) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, **more}
 
 
 def cleared() -> dict[str, Any]:

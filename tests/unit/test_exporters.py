@@ -20,6 +20,7 @@ from kvwatch.daemon.engines.records import (
     EnginePlan,
     EngineSample,
     EngineView,
+    GroupTotals,
     LossTotal,
     MediumTotals,
     ScrapeTarget,
@@ -79,21 +80,45 @@ GPU_RANK0 = MediumTotals(
     23,
     regretted=19,
     restored=5,
+    resident=40,
     regret_tokens=304,
     regret_seconds=900.5,
     regret_buckets=(3, 0, 11, 0, 5, 0, 0),
+    announced=12,
 )
+SLIDING_RANK0 = MediumTotals(230, 211, 170, regretted=2, resident=19)
+
 REGRET_1 = (0, 0, 0, 0, 0, 2, 0)
+GPU_RANK1 = MediumTotals(11, 5, 1, regretted=2, regret_tokens=32, regret_seconds=700.0, regret_buckets=REGRET_1)
+
+
+def hybrid(gpu: MediumTotals, sliding: MediumTotals, cpu: MediumTotals | None = None) -> tuple[GroupTotals, ...]:
+    """A Gemma-3-style engine's groups: full attention (the reference) and a 256-token sliding window."""
+    out = [
+        GroupTotals("GPU", 0, "full_attention", None, True, gpu),
+        GroupTotals("GPU", 1, "sliding_window", 256, False, sliding),
+    ]
+    if cpu is not None:
+        out.append(GroupTotals("CPU", 0, "full_attention", None, True, cpu))
+    return tuple(out)
 
 
 def engine_view() -> EngineView:
     return EngineView(
         plan=EnginePlan("4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics"),
         streams=(
-            _stream(0, GPU_RANK0, media={"GPU": GPU_RANK0, "CPU": MediumTotals(7, 2, 0)}),
+            _stream(
+                0,
+                GPU_RANK0,
+                media={"GPU": GPU_RANK0, "CPU": MediumTotals(7, 2, 0)},
+                groups=hybrid(GPU_RANK0, SLIDING_RANK0, MediumTotals(7, 2, 0)),
+                localities={"CPU": "LOCAL"},
+                extras={"cache_salt": 3, "lora": 40},
+            ),
             _stream(
                 1,
-                MediumTotals(11, 5, 1, regretted=2, regret_tokens=32, regret_seconds=700.0, regret_buckets=REGRET_1),
+                GPU_RANK1,
+                groups=hybrid(GPU_RANK1, MediumTotals(11, 9, 9)),
                 connected=False,
                 gaps=2,
                 missed=5,

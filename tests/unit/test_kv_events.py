@@ -154,12 +154,17 @@ def one_stream(hub: KVEventHub) -> Iterator[tuple[StreamSpec, WirePublisher]]:
 
 def publish_script(hub: KVEventHub, script: list[tuple[float, list[dict[str, Any]]]]) -> Mapping[str, MediumTotals]:
     """Every (engine ts, events) batch of a script through a fresh stream; its media once all counted."""
+    return script_stats(hub, script).media
+
+
+def script_stats(hub: KVEventHub, script: list[tuple[float, list[dict[str, Any]]]]) -> StreamStats:
+    """Every (engine ts, events) batch of a script through a fresh stream; its stats once all counted."""
     with one_stream(hub) as (spec, pub):
         for ts, events in script:
             pub.publish(events, ts=ts)
         assert pub.flush()
         wait_until(lambda: stats_of(hub, spec).batches == len(script), 10, "every batch")
-        return stats_of(hub, spec).media
+        return stats_of(hub, spec)
 
 
 def xpub(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> zmq.Socket[bytes]:

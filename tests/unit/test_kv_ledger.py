@@ -17,7 +17,14 @@ from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, EngineLedger
-from kvwatch.daemon.engines.records import EngineSample, LossTotal, MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.records import (
+    EngineSample,
+    GroupTotals,
+    LossTotal,
+    MediumTotals,
+    StreamSpec,
+    StreamStats,
+)
 
 from tests.tools.vllm_run_fixtures import uncompact
 from tests.unit.test_kv_events import publish_script
@@ -71,10 +78,32 @@ def test_blocks_resident_and_known_below() -> None:
     assert cpu.totals().resident == 12
 
 
+def one_group(media: dict[str, MediumTotals]) -> tuple[GroupTotals, ...]:
+    """A single-group engine's streams: each medium's group 0, the kind unsaid (vLLM < 0.26)."""
+    return tuple(GroupTotals(m, 0, "", None, True, t) for m, t in media.items())
+
+
 def stream(gpu: MediumTotals, cpu: MediumTotals | None = None) -> StreamStats:
     media = {"GPU": gpu} if cpu is None else {"GPU": gpu, "CPU": cpu}
     return StreamStats(
-        StreamSpec("tcp://127.0.0.1:5557"), True, 1, 1, media, 0, 0, 0, 0, 0, {}, 0, 0, None, 0.0, 0.0, 0
+        StreamSpec("tcp://127.0.0.1:5557"),
+        True,
+        1,
+        1,
+        media,
+        0,
+        0,
+        0,
+        0,
+        0,
+        {},
+        0,
+        0,
+        None,
+        0.0,
+        0.0,
+        0,
+        groups=one_group(media),
     )
 
 
@@ -125,7 +154,7 @@ def sample(store_bytes: float, at: float = 0.0) -> EngineSample:
 
 def test_ledger_oom_takes_what_was_resident_and_config_prices() -> None:
     led = EngineLedger(configured_block_bytes=1 << 20)
-    led.oom({"GPU": MediumTotals(resident=23), "CPU": MediumTotals(resident=11)})
+    led.oom(one_group({"GPU": MediumTotals(resident=23), "CPU": MediumTotals(resident=11)}))
     led.streams([stream(MediumTotals(0, 0), MediumTotals(1000, 0))], sample(5e9), False)
     assert led.block_bytes.source == "config"  # the engine's counter does not override config
     assert led.totals() == {("cpu", "oom"): LossTotal(11, 11 << 20), ("gpu", "oom"): LossTotal(23, 23 << 20)}

@@ -46,7 +46,7 @@ def feed(
     for t in range(seconds):
         blocks = int(blocks_per_second * t)
         values = {
-            "kv_stored_blocks:CPU": float(blocks),
+            "kv_physical_stored_blocks:CPU": float(blocks),
             "family_copy_d2h_bytes": blocks * REAL_BLOCK_BYTES * copies_share,
             "family_copy_h2d_bytes": 0.0,
             "kv_batches_lost": float(lost_at is not None and t >= lost_at),
@@ -188,7 +188,7 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
             assert sample.offload_store_bytes is not None
             s.add(pages[p][0], {"engine_offload_store_bytes": sample.offload_store_bytes})
             p += 1
-        s.add(t, {"kv_stored_blocks:CPU": float(cpu_stored), "kv_batches_lost": 0.0})
+        s.add(t, {"kv_physical_stored_blocks:CPU": float(cpu_stored), "kv_batches_lost": 0.0})
         rows = audit.update(s, t)
         found = det.evaluate(_window(rows))
         if rows and (not judged or rows[0].window != judged[-1].window):

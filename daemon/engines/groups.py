@@ -1,0 +1,121 @@
+"""One medium of one KV event stream, by KV cache group.
+
+A hybrid model keeps one KV cache group per attention kind (vLLM: a full-attention group and
+several sliding-window groups for Gemma 3, gpt-oss; Mamba and attention groups for Qwen3-Next),
+each with its own physical blocks in one shared pool, and vLLM announces every block range once
+per group with ``group_idx``. The same block hash in two groups is two blocks: every memory of a
+block (``blocks.py``) is kept per (stream, medium, group).
+
+The medium's *logical* counts follow one group, its reference: the lowest-index group of a kind
+that holds a request's whole prefix (``FULL_KINDS``; one whose kind the engine has not said yet
+counts as one), else the lowest-index group (a model with sliding-window attention only). A
+single-group engine's logical counts are its only group's, as they always were. When a lower
+full-kind group appears later, the logical counts follow it from then on and stay monotonic.
+
+A BlockStored of the GPU medium without a parent whose last block the group still holds is not a
+store: it is vLLM announcing the blocks of a prefix-cache hit (a request asked for
+``kv_cache_report_mode="full"``; ``emit_cached_block_events``), counted as ``announced`` and
+changing nothing. Its blocks are the request's prefix from the first one on, and a group can
+only have served the hit if it holds the prefix's last block: a real first store (no hit) of a
+block already held would need a request that missed what the group holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.records import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
+from kvwatch.daemon.engines.wire import Hash
+
+MAX_GROUPS = 16  # per medium; more are counted together as OTHER_GROUP
+MAX_KIND_CHARS = 40
+
+
+class MediumGroups:
+    __slots__ = ("_offset", "_ref", "_ref_at", "bounds", "groups", "kinds", "locality", "windows")
+
+    def __init__(self, bounds: tuple[int, int]) -> None:
+        self.bounds = bounds  # per group: store times, removals remembered
+        self.groups: dict[int, MediumBlocks] = {}
+        self.kinds: dict[int, str] = {}
+        self.windows: dict[int, int] = {}
+        self.locality = ""
+        self._ref: int | None = None
+        self._offset = MediumTotals()  # logical counts up to the reference's last change
+        self._ref_at = MediumTotals()  # the reference's counts at that change
+
+    def group(self, idx: int | None) -> MediumBlocks:
+        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        g = self.groups.get(key)
+        if g is None:
+            if len(self.groups) >= MAX_GROUPS:
+                key = OTHER_GROUP
+                g = self.groups.get(key)
+            if g is None:
+                g = self.groups[key] = MediumBlocks(*self.bounds)
+                self._choose()
+        return g
+
+    def learn(self, idx: int | None, kind: str | None, window: int | None, locality: str | None) -> None:
+        """What a BlockStored says of its group (and where the medium lives)."""
+        if locality and locality != self.locality and len(locality) <= MAX_KIND_CHARS:
+            self.locality = locality
+        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        if kind is None or key not in self.groups or self.kinds.get(key) == kind:
+            return
+        self.kinds[key] = kind if len(kind) <= MAX_KIND_CHARS and kind.isprintable() else "unknown"
+        if window:
+            self.windows[key] = window
+        self._choose()
+
+    def is_full(self, idx: int) -> bool:
+        return self.kinds.get(idx, "") in FULL_KINDS
+
+    def _choose(self) -> None:
+        idx = sorted(k for k in self.groups if k != OTHER_GROUP) or [OTHER_GROUP]
+        ref = next((k for k in idx if self.is_full(k)), idx[0])
+        if ref == self._ref:
+            return
+        if self._ref is not None:
+            self._offset = self.logical()
+        self._ref = ref
+        self._ref_at = self.groups[ref].totals()
+
+    @property
+    def reference(self) -> int:
+        return self._ref if self._ref is not None else 0
+
+    def logical(self) -> MediumTotals:
+        if self._ref is None:
+            return MediumTotals()
+        now = self.groups[self._ref].totals()
+        return replace(self._offset + (now - self._ref_at), resident=now.resident)
+
+    def announces(self, hashes: Sequence[Hash], blocks: MediumBlocks) -> bool:
+        """A parentless store whose last block the group holds: a prefix-cache hit announced."""
+        return bool(hashes) and blocks.holds(hashes[-1])
+
+    def totals(self, medium: str) -> list[GroupTotals]:
+        ref = self.reference
+        return [
+            GroupTotals(medium, k, self.kinds.get(k, ""), self.windows.get(k), k == ref, g.totals())
+            for k, g in sorted(self.groups.items())
+        ]
+
+    @property
+    def stored(self) -> int:
+        return sum(g.stored for g in self.groups.values())
+
+    @property
+    def remembered(self) -> int:
+        return sum(g.remembered for g in self.groups.values())
+
+    def drop_all(self) -> None:
+        for g in self.groups.values():
+            g.drop_all()
+
+    def clear(self) -> None:
+        for g in self.groups.values():
+            g.clear()
