@@ -299,6 +299,60 @@ ROWS: list[tuple[str, list[Graph]]] = [
                 ],
             ),
             Graph(
+                "KV cache groups (hybrid models): blocks /s per group",
+                "short",
+                [
+                    (
+                        rate("kvwatch_kv_group_blocks_stored_total", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} stored {{medium}} g{{group}} {{kind}}",
+                    ),
+                    (
+                        rate("kvwatch_kv_group_blocks_removed_total", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} removed {{medium}} g{{group}} {{kind}}",
+                    ),
+                    (
+                        rate("kvwatch_kv_group_blocks_removed_young_total", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} removed young {{medium}} g{{group}} {{kind}}",
+                    ),
+                    (
+                        rate("kvwatch_kv_group_blocks_regretted_total", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} regretted {{medium}} g{{group}} {{kind}}",
+                    ),
+                    (
+                        rate("kvwatch_kv_group_blocks_restored_total", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} stored while held {{medium}} g{{group}} {{kind}}",
+                    ),
+                ],
+            ),
+            Graph(
+                "KV cache groups: blocks held, group kinds",
+                "short",
+                [
+                    (
+                        total("kvwatch_kv_group_blocks_resident", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} held {{medium}} g{{group}} {{kind}}",
+                    ),
+                    (
+                        total("kvwatch_kv_cache_group_info", f"{BY_PROC}, medium, kind, sliding_window, reference"),
+                        "{{pid}} {{medium}} groups of {{kind}} {{sliding_window}} (reference {{reference}})",
+                    ),
+                ],
+            ),
+            Graph(
+                "Prefix hits announced, blocks stored with extra keys /s",
+                "short",
+                [
+                    (
+                        rate("kvwatch_kv_blocks_announced_total", f"{BY_PROC}, medium"),
+                        "{{pid}} hit blocks announced {{medium}}",
+                    ),
+                    (
+                        rate("kvwatch_kv_blocks_stored_extra_keys_total", f"{BY_PROC}, key"),
+                        "{{pid}} stored with {{key}}",
+                    ),
+                ],
+            ),
+            Graph(
                 "Regret ratio, time to store again",
                 "short",
                 [
