@@ -37,6 +37,13 @@ process's host↔device copy bytes (CUDA copy probes), device→host *and* host�
 at ≥ max(factor x baseline, ``floor_copy_bytes_per_second``) — KV stored to host and
 loaded back, the churn of evicted hot blocks — fires with cause ``thrash``, medium CPU.
 
+KV cache groups (hybrid models): the stream's counts are each medium's reference group's, the
+full-attention blocks that hold a request's whole prefix; the sliding-window groups free what
+leaves their window by design, and that churn is neither a burst nor thrash. A model whose only
+group keeps a window (sliding-window attention throughout) is judged on its removals with the
+hit-ratio guard as any other, but a window's blocks are evicted young by design: young
+removals are no evidence of thrash there.
+
 One finding per process. The alert's ``medium`` label is the first medium that is hot in a
 fixed order — the engine's own pool (GPU) first, then CPU, then the rest by name — and it
 stays while the alert fires: which medium a tick happened to see first never decides. The
@@ -52,6 +59,7 @@ from dataclasses import dataclass, field
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject, threshold
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.engines.records import WINDOW_BOUNDED
 from kvwatch.daemon.series import SeriesSet
 
 ALERT = "KVEvictionBurst"
@@ -69,6 +77,7 @@ class Source:
     hits: str | None  # prefix-hit series (hits, queries) for this medium
     queries: str | None
     also: str | None = None  # a second series that must burst too (the rate is the smaller of the two)
+    window_bounded: bool = False  # the medium's blocks (its reference group) keep a window only
 
 
 def _hit_series(names: Container[str], medium: str) -> tuple[str | None, str | None]:
@@ -95,7 +104,10 @@ def sources(s: SeriesSet) -> list[Source]:
     for name in names:
         if name.startswith(STREAM_PREFIX):
             m = name[len(STREAM_PREFIX) :]
-            out.append(Source(m, name, "blocks", f"kv_removed_young:{m}", name, *_hit_series(names, m)))
+            hits, queries = _hit_series(names, m)
+            bounded = s.gauge(f"{WINDOW_BOUNDED}{m}") >= 1
+            young = None if bounded else f"kv_removed_young:{m}"
+            out.append(Source(m, name, "blocks", young, name, hits, queries, window_bounded=bounded))
     media = {x.medium for x in out}
     if "GPU" not in media and "engine_evicted_tokens" in names:
         out.append(Source("GPU", "engine_evicted_tokens", "tokens", None, None, *_hit_series(names, "GPU")))
@@ -164,7 +176,7 @@ class EvictionBurst:
         if src.young and src.young_of:
             removed = s.delta(src.young_of, w)
             out["young_fraction"] = s.delta(src.young, w) / removed if removed > 0 else 0.0
-        elif src.medium == "GPU" and "engine_idle_evict_samples" in s.series:
+        elif src.medium == "GPU" and not src.window_bounded and "engine_idle_evict_samples" in s.series:
             n = s.delta("engine_idle_evict_samples", w)
             out["young_fraction"] = s.delta("engine_idle_evict_young", w) / n if n > 0 else 0.0
         if src.hits and src.queries:

@@ -18,6 +18,13 @@ the hit ratio is back above twice that or the queries stop. The cause tells two 
 Blocks that come back only after their eviction are the pool too small for the working set:
 KVEvictionBurst's case, not judged here. Nor is a window with a prefix-cache reset or sleep
 (AllBlocksCleared, vLLM's sleep state): both are intentional.
+
+On a hybrid model the counts are the reference group's (full attention), and a hit needs the
+sliding-window groups' blocks too: a prefix the full-attention group still holds is computed
+again when a window group lost its tail, and those window blocks come back as regrets. Blocks
+stored again while held, up to the window group's regrets in the window, are counted as
+evictions, not as a cache that does not serve. Blocks announced again for a prefix hit (vLLM's
+``kv_cache_report_mode`` full) are not stores at all (``engines/groups.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kvwatch.daemon.detectors.view import ProcessWindow
 ALERT = "KVPrefixCacheIneffective"
 QUERIES, HITS = "engine_prefix_queries", "engine_prefix_hits"
 STORED, REGRETTED, RESTORED = "kv_stored_blocks:GPU", "kv_regretted_blocks:GPU", "kv_restored_blocks:GPU"
+WINDOW_REGRETTED = "kv_window_regretted_blocks:GPU"
 
 
 @dataclass(slots=True)
@@ -51,6 +59,8 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
         c, s, w = self.config, p.series, self.config.window_seconds
         queried, hits, stored = s.delta(QUERIES, w), s.delta(HITS, w), s.delta(STORED, w)
         restored, regretted = s.delta(RESTORED, w), s.delta(REGRETTED, w)
+        window_lost = min(restored, s.delta(WINDOW_REGRETTED, w)) if WINDOW_REGRETTED in s.series else 0.0
+        restored, regretted = restored - window_lost, regretted + window_lost
         ratio = hits / queried if queried > 0 else 0.0
         share = restored / stored if stored > 0 else 0.0
         evicted_first = share < c.recur_fraction and regretted >= c.recur_fraction * stored > 0
@@ -70,6 +80,7 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
             "stored_blocks": stored,
             "stored_while_held": restored,
             "stored_after_eviction": regretted,
+            "window_group_lost": window_lost,
             "recurring_fraction": round(share, 6),
             "window_seconds": w,
         }

@@ -44,6 +44,7 @@ MAX_PENDING = 1 << 16  # removals waiting; past it the oldest are judged at once
 
 class MediumBlocks:
     __slots__ = (
+        "_copies",
         "_pending",
         "_pending_n",
         "_regret_le",
@@ -74,6 +75,9 @@ class MediumBlocks:
         self._removed_at = HashMemory(max_removed)  # capacity 0: no regret accounting
         self._pending: deque[tuple[float, list[int]]] = deque()  # GPU removals not offloaded yet
         self._pending_n = 0
+        # a hash held in more than one physical block (stored again while held): its copies beyond
+        # the first, so that removing one copy leaves it held; at most max_stored // 16 such hashes
+        self._copies: dict[int, int] = {}
 
     def store(self, hashes: Sequence[Hash], ts: float, block_size: int, alone: bool = False) -> None:
         """``alone``: stored by itself after a parent block (a generated block, as like as not).
@@ -90,7 +94,16 @@ class MediumBlocks:
         keys, held = self._stored_at.take_keys(fps)
         self.restored += len(keys)
         marked.update(fp for fp, t in zip(keys, held, strict=True) if copysign(1.0, t) < 0)
+        if keys:
+            self._copy(keys)
         _put(self._stored_at, fps, ts, marked)
+
+    def _copy(self, fps: Sequence[int]) -> None:
+        copies, room = self._copies, max(self._stored_at.capacity // 16, 1)
+        for fp in fps:
+            n = copies.get(fp, 0)
+            if n or len(copies) < room:
+                copies[fp] = n + 1
 
     def remove(
         self, hashes: Sequence[Hash], ts: float, young_before: float, lower: Sequence[MediumBlocks] = ()
@@ -99,6 +112,8 @@ class MediumBlocks:
         self.removed += len(fps)
         keys, times = self._stored_at.take_keys(fps)
         self.young += sum(1 for t in times if abs(t) > young_before)
+        if self._copies:
+            keys, times, fps = self._uncopy(keys, times, fps)
         alone = {k for k, t in zip(keys, times, strict=True) if copysign(1.0, t) < 0}
         # only blocks whose store the stream saw (older ones cannot be judged), and not alone
         judged = [k for k in keys if k not in alone] if lower else []
@@ -113,6 +128,22 @@ class MediumBlocks:
             rk, rt = self._removed_at.take_keys(again)
             alone.update(k for k, t in zip(rk, rt, strict=True) if copysign(1.0, t) < 0)
         _put(self._removed_at, fps, ts, alone)
+
+    def _uncopy(self, keys: list[int], times: list[float], fps: list[int]) -> tuple[list[int], list[float], list[int]]:
+        """A removed copy of a hash held in several blocks: the hash stays held (with its time);
+        the rest of the removal goes on with the hashes whose last copy went."""
+        copies = self._copies
+        kept = [(k, t) for k, t in zip(keys, times, strict=True) if k in copies]
+        if not kept:
+            return keys, times, fps
+        for k, t in kept:
+            n = copies.pop(k) - 1
+            if n:
+                copies[k] = n
+            self._stored_at.put_keys([k], t)
+        still = {k for k, _ in kept}
+        rest = [(k, t) for k, t in zip(keys, times, strict=True) if k not in still]
+        return [k for k, _ in rest], [t for _, t in rest], [f for f in fps if f not in still]
 
     def settle(self, ts: float, lower: Sequence[MediumBlocks]) -> None:
         """Judge the GPU removals older than OFFLOAD_SETTLE_SECONDS: those no lower tier holds
@@ -141,6 +172,7 @@ class MediumBlocks:
         self.clear()
 
     def clear(self) -> None:
+        self._copies.clear()
         self._pending.clear()
         self._pending_n = 0
         self._stored_at.clear()

@@ -26,28 +26,13 @@ from dataclasses import dataclass
 
 import structlog
 import zmq
-from kvwatch.daemon.engines.blocks import MediumBlocks
-from kvwatch.daemon.engines.groups import MediumGroups
 from kvwatch.daemon.engines.records import StreamSpec, StreamStats
-from kvwatch.daemon.engines.wire import (
-    CLEARED,
-    NIL,
-    REMOVED,
-    STORED,
-    Decoder,
-    StoredEvent,
-    WireError,
-    extra_keys,
-    parse_frames,
-    parse_replay,
-    replay_request,
-)
+from kvwatch.daemon.engines.stream_counts import StreamCounts
+from kvwatch.daemon.engines.wire import WireError, parse_frames, parse_replay, replay_request
 from zmq.utils.monitor import recv_monitor_message
 
 log = structlog.get_logger("kvwatch.kv_events")
 
-DEFAULT_MEDIUM = "GPU"  # events without a medium (vLLM ≤ 0.10) came from the GPU block pool
-MAX_MEDIA = 8
 MAX_MESSAGE_BYTES = 64 << 20
 DRAIN_PER_WAKEUP = 2000
 
@@ -61,7 +46,12 @@ class _Replay:
 
 class _Stream:
     def __init__(
-        self, spec: StreamSpec, ctx: zmq.Context[zmq.Socket[bytes]], now: float, bounds: tuple[int, int]
+        self,
+        spec: StreamSpec,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        now: float,
+        bounds: tuple[int, int],
+        thrash_seconds: float,
     ) -> None:
         self.spec = spec
         self.sub = ctx.socket(zmq.SUB)
@@ -73,18 +63,12 @@ class _Stream:
         self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sub.connect(spec.endpoint)
         self.dealer: zmq.Socket[bytes] | None = None
-        self.decoder = Decoder()
+        self.counts = StreamCounts(bounds, thrash_seconds)
         self.connected = False
         self.expected: int | None = None
-        self.bounds = bounds  # per medium and group: store times, removals remembered
-        self.media: dict[str, MediumGroups] = {}
-        self.extras: dict[str, int] = {}  # blocks stored with extra keys, by key: lora, cache_salt, ...
-        self.batches = self.events = self.cleared = 0
         self.gaps = self.missed = self.replayed = self.lost = self.restarts = self.replay_requests = 0
-        self.errors: dict[str, int] = {}
         self.missing: set[int] = set()
         self.pending: _Replay | None = None
-        self.last_ts = 0.0
         self.last_at = now
 
     def close(self) -> None:
@@ -95,27 +79,17 @@ class _Stream:
                 s.close(0)
 
     def stats(self) -> StreamStats:
-        return StreamStats(
+        return self.counts.stats(
             spec=self.spec,
             connected=self.connected,
-            batches=self.batches,
-            events=self.events,
-            media={k: m.logical() for k, m in self.media.items()},
-            groups=tuple(g for k, m in self.media.items() for g in m.totals(k)),
-            localities={k: m.locality for k, m in self.media.items() if m.locality},
-            cleared=self.cleared,
             gaps=self.gaps,
             missed=self.missed,
             replayed=self.replayed,
             lost=self.lost,
-            decode_errors=dict(self.errors),
             restarts=self.restarts,
             replay_requests=self.replay_requests,
             last_seq=None if self.expected is None else self.expected - 1,
-            last_batch_ts=self.last_ts,
             last_message_at=self.last_at,
-            tracked_blocks=sum(m.remembered for m in self.media.values()),
-            extras=dict(self.extras),
         )
 
 
@@ -231,7 +205,7 @@ class KVEventHub:
                 st.close()
             for spec in wanted - self._streams.keys():
                 try:
-                    st = _Stream(spec, self._ctx, self.clock(), self.bounds)
+                    st = _Stream(spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds)
                 except zmq.ZMQError as err:
                     self._fail("connect", err)
                     continue
@@ -268,13 +242,10 @@ class KVEventHub:
                 try:
                     _topic, seq, payload = parse_frames(frames)
                 except WireError as err:
-                    self._error(st, err.kind)
+                    st.counts.error(err.kind)
                     continue
                 self._sequence(st, seq, now)
-                self._ingest(st, payload)
-
-    def _error(self, st: _Stream, kind: str, n: int = 1) -> None:
-        st.errors[kind] = st.errors.get(kind, 0) + n
+                st.counts.ingest(payload)
 
     def _sequence(self, st: _Stream, seq: int, now: float) -> None:
         exp = st.expected
@@ -287,102 +258,8 @@ class KVEventHub:
                 st.restarts += 1
                 st.missing.clear()
                 st.pending = None
-                for m in st.media.values():
-                    m.clear()
+                st.counts.restart()
         st.expected = seq + 1
-
-    def _ingest(self, st: _Stream, payload: bytes) -> None:
-        try:
-            batch = st.decoder.decode(payload)
-        except WireError as err:
-            self._error(st, err.kind)
-            return
-        if batch.skipped:
-            self._error(st, "event", batch.skipped)
-        if batch.undescribed:
-            self._error(st, "field", batch.undescribed)
-        st.batches += 1
-        st.events += len(batch.events)
-        ts = batch.ts
-        st.last_ts = max(st.last_ts, ts)
-        young_before = ts - self.thrash_seconds
-        for ev in batch.events:  # the groups a batch describes, known before any of its blocks count
-            if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
-                mg = self._medium(st, ev.medium)
-                mg.group(ev.group_idx)
-                mg.learn(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality)
-        for ev in batch.events:
-            if isinstance(ev, STORED):
-                self._store(st, ev, ts)
-            elif isinstance(ev, REMOVED):
-                mg = self._medium(st, ev.medium)
-                idx = ev.group_idx
-                mg.group(idx).remove(ev.block_hashes, ts, young_before, self._lower(st, ev.medium, mg, idx))
-            elif isinstance(ev, CLEARED):
-                st.cleared += 1
-                self._settle(st, float("inf"))  # what waits is judged before the memories go
-                for m in st.media.values():
-                    m.drop_all()
-        self._settle(st, ts)
-
-    def _store(self, st: _Stream, ev: StoredEvent, ts: float) -> None:
-        mg = self._medium(st, ev.medium)
-        blocks = mg.group(ev.group_idx)
-        if ev.locality is not None:
-            mg.learn(ev.group_idx, None, None, ev.locality)
-        hashes = ev.block_hashes
-        nil = ev.parent_block_hash == NIL
-        if nil and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and mg.announces(hashes, blocks):
-            blocks.announce(len(hashes))
-            return
-        blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil)
-        if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):
-            self._extras(st, ev)
-
-    @staticmethod
-    def _extras(st: _Stream, ev: StoredEvent) -> None:
-        """Blocks stored with a LoRA adapter, a cache salt (a request's first block), multimodal
-        inputs or prompt embeddings, on the medium's reference group (once per block range)."""
-        n = st.extras
-        if ev.lora_name is not None:
-            n["lora"] = n.get("lora", 0) + len(ev.block_hashes)
-        for entry in ev.extra_keys or ():
-            k = extra_keys(entry, ev.lora_name)
-            if k.salt is not None:
-                n["cache_salt"] = n.get("cache_salt", 0) + 1
-            if k.multimodal:
-                n["multimodal"] = n.get("multimodal", 0) + 1
-            if k.embeds:
-                n["prompt_embeds"] = n.get("prompt_embeds", 0) + 1
-
-    def _settle(self, st: _Stream, ts: float) -> None:
-        gpu = st.media.get(DEFAULT_MEDIUM)
-        if gpu is not None:
-            for idx, g in gpu.groups.items():
-                g.settle(ts, self._lower(st, DEFAULT_MEDIUM, gpu, idx))
-
-    def _lower(self, st: _Stream, name: str | None, mg: MediumGroups, idx: int | None) -> list[MediumBlocks]:
-        """For a GPU removal in a group that holds whole prefixes: the same group of the stream's
-        other tiers, where they have stored blocks (the offload targets the block should have
-        reached). A window-bounded group's blocks are offloaded by window, if at all: not judged."""
-        key = idx if isinstance(idx, int) and idx >= 0 else 0
-        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM or not mg.is_full(key):
-            return []
-        out = []
-        for k, m in st.media.items():
-            g = m.groups.get(key) if k != DEFAULT_MEDIUM else None
-            if g is not None and g.stored:
-                out.append(g)
-        return out
-
-    def _medium(self, st: _Stream, name: str | None) -> MediumGroups:
-        key = name or DEFAULT_MEDIUM
-        m = st.media.get(key)
-        if m is None:
-            if len(st.media) >= MAX_MEDIA or len(key) > 32 or not key.isprintable():
-                key = "other"
-            m = st.media.setdefault(key, MediumGroups(st.bounds))
-        return m
 
     # --- replay -----------------------------------------------------------------------------------
     def _ask_replay(self, st: _Stream, lo: int, hi: int, now: float) -> None:
@@ -432,7 +309,7 @@ class KVEventHub:
                 try:
                     seq, payload = parse_replay(frames)
                 except WireError as err:
-                    self._error(st, err.kind)
+                    st.counts.error(err.kind)
                     continue
                 if seq < 0:
                     self._finish_replay(st, now)
@@ -440,7 +317,7 @@ class KVEventHub:
                 if seq in st.missing:
                     st.missing.discard(seq)
                     st.replayed += 1
-                    self._ingest(st, payload)
+                    st.counts.ingest(payload)
 
     def _finish_replay(self, st: _Stream, now: float) -> None:
         """End marker (or timeout): what the request covered and did not bring is lost."""

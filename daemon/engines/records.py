@@ -85,6 +85,7 @@ class GroupTotals:
 OTHER_GROUP = -1
 PHYSICAL_STORED = "kv_physical_stored_blocks:"  # + medium: every group's blocks stored, as a series of the owner
 WINDOW_BOUNDED = "kv_window_bounded:"  # + medium: gauge, 1 when its reference group keeps a window only
+WINDOW_REGRETTED = "kv_window_regretted_blocks:"  # + medium: a hybrid's first window-bounded group's regrets
 
 
 LOST_BYTES = "kv_lost_bytes:"  # + tier:cause: the loss ledger's bytes as a series of the owning process

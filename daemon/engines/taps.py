@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -23,9 +23,11 @@ from kvwatch.daemon.engines.records import (
     PHYSICAL_STORED,
     TIER_SERIES,
     WINDOW_BOUNDED,
+    WINDOW_REGRETTED,
     EnginePlan,
     EngineSample,
     EngineView,
+    GroupTotals,
     ScrapeTarget,
     StreamSpec,
     StreamStats,
@@ -51,6 +53,43 @@ def regret_ratios(t: Tracked, streams: Iterable[StreamStats], window: float) -> 
         if removed > 0:
             out[medium] = t.series.delta(f"kv_regretted_blocks:{medium}", window) / removed
     return out
+
+
+def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dict[str, float]]:
+    """A tapped process's KV event series (cumulative) and gauges, summed over its streams."""
+    values: dict[str, float] = {
+        "kv_cleared": float(sum(s.cleared for s in streams)),
+        "kv_batches_lost": float(sum(s.lost for s in streams)),
+        "kv_batches": float(sum(s.batches for s in streams)),
+    }
+    gauges: dict[str, float] = {
+        "kv_events_connected": float(any(s.connected for s in streams)),
+        "kv_resident_blocks:GPU": float(sum(g.totals.resident for s in streams for g in s.groups if g.medium == "GPU")),
+    }
+
+    def add(name: str, v: float) -> None:
+        values[name] = values.get(name, 0.0) + v
+
+    for s in streams:
+        for medium, m in s.media.items():  # logical: each medium's reference group
+            add(f"kv_stored_blocks:{medium}", m.stored)
+            add(f"kv_removed_blocks:{medium}", m.removed)
+            add(f"kv_removed_young:{medium}", m.removed_young)
+            add(f"kv_regretted_blocks:{medium}", m.regretted)
+            add(f"kv_restored_blocks:{medium}", m.restored)
+            add(f"kv_announced_blocks:{medium}", m.announced)
+        window_group: dict[str, GroupTotals] = {}
+        for g in s.groups:  # physical: every group's blocks
+            add(f"{PHYSICAL_STORED}{g.medium}", g.totals.stored)
+            if g.full:
+                continue
+            if g.reference:
+                gauges[f"{WINDOW_BOUNDED}{g.medium}"] = 1.0
+            else:
+                window_group.setdefault(g.medium, g)
+        for medium, g in window_group.items():  # a hybrid model's first window-bounded group
+            add(f"{WINDOW_REGRETTED}{medium}", g.totals.regretted)
+    return values, gauges
 
 
 def plan_from_config(t: Tracked, ep: EngineEndpoint, cfg: EnginesConfig) -> EnginePlan:
@@ -253,32 +292,8 @@ class EngineTaps:
         streams = self._streams_of(t.key)
         gauges: dict[str, float] = {}
         if streams:
-            values: dict[str, float] = {
-                "kv_cleared": float(sum(s.cleared for s in streams)),
-                "kv_batches_lost": float(sum(s.lost for s in streams)),
-                "kv_batches": float(sum(s.batches for s in streams)),
-            }
-            for s in streams:
-                for medium, m in s.media.items():  # logical: each medium's reference group
-                    for name, v in (
-                        (f"kv_stored_blocks:{medium}", m.stored),
-                        (f"kv_removed_blocks:{medium}", m.removed),
-                        (f"kv_removed_young:{medium}", m.removed_young),
-                        (f"kv_regretted_blocks:{medium}", m.regretted),
-                        (f"kv_restored_blocks:{medium}", m.restored),
-                        (f"kv_announced_blocks:{medium}", m.announced),
-                    ):
-                        values[name] = values.get(name, 0.0) + v
-                for g in s.groups:  # physical: every group's blocks
-                    name = f"{PHYSICAL_STORED}{g.medium}"
-                    values[name] = values.get(name, 0.0) + g.totals.stored
-                    if g.reference and not g.full:
-                        gauges[f"{WINDOW_BOUNDED}{g.medium}"] = 1.0
+            values, gauges = stream_series(streams)
             t.series.add(now, values)
-            gauges["kv_events_connected"] = float(any(s.connected for s in streams))
-            gauges["kv_resident_blocks:GPU"] = float(
-                sum(g.totals.resident for s in streams for g in s.groups if g.medium == "GPU")
-            )
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None
         if sample is not None:

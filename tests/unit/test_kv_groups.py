@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 from kvwatch.daemon.engines import wire as w
+from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_GROUPS, MediumGroups
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.records import OTHER_GROUP, GroupTotals, StreamStats
@@ -184,3 +185,20 @@ def test_newer_fields_and_types_never_break_a_batch(hub: KVEventHub) -> None:
     assert (len(b.events), b.skipped, b.undescribed) == (3, 1, 2)
     assert [len(e.block_hashes) for e in b.events] == [2, 2, 1]
     assert all(e.group_idx in (0, None) for e in b.events if not isinstance(e, w.CLEARED))
+
+
+def test_a_hash_held_in_two_blocks_stays_held_until_both_go() -> None:
+    """A hybrid model's full-attention group computes a prefix again while it holds it (the window
+    group had lost its tail): vLLM keeps both blocks under one hash and removes them one by one."""
+    m = MediumBlocks(1000, 1000)
+    m.store([1, 2, 3], 0.0, BS)
+    m.store([1, 2, 3], 1.0, BS)  # a second copy of each
+    m.remove([1, 2], 2.0, young_before=0.0)  # one copy of 1 and 2 goes: still held
+    m.store([1], 3.0, BS)  # stored while held again, not a regret
+    t = m.totals()
+    assert (t.restored, t.regretted, t.resident) == (4, 0, 3)
+    m.remove([1, 2, 3], 4.0, young_before=0.0)  # 2's last copy; 1 and 3 keep one
+    m.remove([1, 3], 4.0, young_before=0.0)  # their last copies
+    m.store([1, 2, 3], 5.0, BS)
+    t = m.totals()
+    assert (t.removed, t.regretted, t.resident) == (7, 3, 3)

@@ -1,0 +1,155 @@
+"""What one KV event stream's batches say, counted: the decoding and the block accounting of a
+stream, apart from its sockets (``kv_events.py`` owns those and the sequence).
+
+Per medium and KV cache group (``groups.py``): blocks stored, removed, removed young, regretted,
+stored again while held, announced, dropped on the way to the tier below (``blocks.py``). Per
+stream: batches, events, resets, blocks stored with extra keys, and every malformed message or
+event counted by kind. Offline users (the replay tools, the benchmarks) feed payloads straight in.
+"""
+
+from __future__ import annotations
+
+from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.groups import MediumGroups
+from kvwatch.daemon.engines.records import StreamSpec, StreamStats
+from kvwatch.daemon.engines.wire import (
+    CLEARED,
+    NIL,
+    REMOVED,
+    STORED,
+    Decoder,
+    StoredEvent,
+    WireError,
+    extra_keys,
+)
+
+DEFAULT_MEDIUM = "GPU"  # events without a medium (vLLM ≤ 0.10) came from the GPU block pool
+MAX_MEDIA = 8
+
+
+class StreamCounts:
+    def __init__(self, bounds: tuple[int, int], thrash_seconds: float) -> None:
+        self.bounds = bounds  # per medium and group: store times, removals remembered
+        self.thrash_seconds = thrash_seconds
+        self.decoder = Decoder()
+        self.media: dict[str, MediumGroups] = {}
+        self.extras: dict[str, int] = {}  # blocks stored with extra keys, by key: lora, cache_salt, ...
+        self.batches = self.events = self.cleared = 0
+        self.errors: dict[str, int] = {}
+        self.last_ts = 0.0
+
+    def error(self, kind: str, n: int = 1) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + n
+
+    def restart(self) -> None:
+        """A new publisher (the engine restarted): its hashes need not mean what they meant."""
+        for m in self.media.values():
+            m.clear()
+
+    def stats(self, spec: StreamSpec, **stream: object) -> StreamStats:
+        return StreamStats(
+            spec=spec,
+            batches=self.batches,
+            events=self.events,
+            media={k: m.logical() for k, m in self.media.items()},
+            groups=tuple(g for k, m in self.media.items() for g in m.totals(k)),
+            localities={k: m.locality for k, m in self.media.items() if m.locality},
+            cleared=self.cleared,
+            decode_errors=dict(self.errors),
+            last_batch_ts=self.last_ts,
+            tracked_blocks=sum(m.remembered for m in self.media.values()),
+            extras=dict(self.extras),
+            **stream,  # type: ignore[arg-type]
+        )
+
+    def ingest(self, payload: bytes) -> None:
+        try:
+            batch = self.decoder.decode(payload)
+        except WireError as err:
+            self.error(err.kind)
+            return
+        if batch.skipped:
+            self.error("event", batch.skipped)
+        if batch.undescribed:
+            self.error("field", batch.undescribed)
+        self.batches += 1
+        self.events += len(batch.events)
+        ts = batch.ts
+        self.last_ts = max(self.last_ts, ts)
+        young_before = ts - self.thrash_seconds
+        for ev in batch.events:  # the groups a batch describes, known before any of its blocks count
+            if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
+                mg = self._medium(ev.medium)
+                mg.group(ev.group_idx)
+                mg.learn(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality)
+        for ev in batch.events:
+            if isinstance(ev, STORED):
+                self._store(ev, ts)
+            elif isinstance(ev, REMOVED):
+                mg = self._medium(ev.medium)
+                idx = ev.group_idx
+                mg.group(idx).remove(ev.block_hashes, ts, young_before, self._lower(ev.medium, mg, idx))
+            elif isinstance(ev, CLEARED):
+                self.cleared += 1
+                self._settle(float("inf"))  # what waits is judged before the memories go
+                for m in self.media.values():
+                    m.drop_all()
+        self._settle(ts)
+
+    def _store(self, ev: StoredEvent, ts: float) -> None:
+        mg = self._medium(ev.medium)
+        blocks = mg.group(ev.group_idx)
+        if ev.locality is not None:
+            mg.learn(ev.group_idx, None, None, ev.locality)
+        hashes = ev.block_hashes
+        nil = ev.parent_block_hash == NIL
+        if nil and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and mg.announces(hashes, blocks):
+            blocks.announce(len(hashes))
+            return
+        blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil)
+        if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):
+            self._extras(ev)
+
+    def _extras(self, ev: StoredEvent) -> None:
+        """Blocks stored with a LoRA adapter, a cache salt (a request's first block), multimodal
+        inputs or prompt embeddings, on the medium's reference group (once per block range)."""
+        n = self.extras
+        if ev.lora_name is not None:
+            n["lora"] = n.get("lora", 0) + len(ev.block_hashes)
+        for entry in ev.extra_keys or ():
+            k = extra_keys(entry, ev.lora_name)
+            if k.salt is not None:
+                n["cache_salt"] = n.get("cache_salt", 0) + 1
+            if k.multimodal:
+                n["multimodal"] = n.get("multimodal", 0) + 1
+            if k.embeds:
+                n["prompt_embeds"] = n.get("prompt_embeds", 0) + 1
+
+    def _settle(self, ts: float) -> None:
+        gpu = self.media.get(DEFAULT_MEDIUM)
+        if gpu is not None:
+            for idx, g in gpu.groups.items():
+                g.settle(ts, self._lower(DEFAULT_MEDIUM, gpu, idx))
+
+    def _lower(self, name: str | None, mg: MediumGroups, idx: int | None) -> list[MediumBlocks]:
+        """For a GPU removal in a group that holds whole prefixes: the same group of the stream's
+        other tiers, where they have stored blocks (the offload targets the block should have
+        reached). A window-bounded group's blocks are offloaded by window, if at all: not judged."""
+        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM or not mg.is_full(key):
+            return []
+        out = []
+        for k, m in self.media.items():
+            g = m.groups.get(key) if k != DEFAULT_MEDIUM else None
+            if g is not None and g.stored:
+                out.append(g)
+        return out
+
+    def _medium(self, name: str | None) -> MediumGroups:
+        key = name or DEFAULT_MEDIUM
+        m = self.media.get(key)
+        if m is None:
+            if len(self.media) >= MAX_MEDIA or len(key) > 32 or not key.isprintable():
+                key = "other"
+            m = self.media.setdefault(key, MediumGroups(self.bounds))
+        return m
