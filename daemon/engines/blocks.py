@@ -168,7 +168,7 @@ class MediumBlocks:
 
     def drop_all(self) -> None:
         """AllBlocksCleared: what is resident is dropped on purpose, and counted."""
-        self.cleared += len(self._stored_at)
+        self.cleared += len(self._stored_at) + sum(self._copies.values())
         self.clear()
 
     def clear(self) -> None:
@@ -198,7 +198,7 @@ class MediumBlocks:
             restored=self.restored,
             cleared=self.cleared,
             dropped=self.dropped,
-            resident=len(self._stored_at),
+            resident=len(self._stored_at) + sum(self._copies.values()),
             regret_tokens=self.regret_tokens,
             regret_seconds=self.regret_seconds,
             regret_buckets=tuple(self._regret_le),

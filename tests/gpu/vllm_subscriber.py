@@ -1,11 +1,18 @@
 """An independent KV event subscriber: vLLM's own classes decode the stream kvwatch also reads.
 
-Ground truth for kvwatch's ``kvwatch_kv_blocks_{stored,removed}_total{medium}`` and
-``kvwatch_kv_cache_resets_total``: a ZMQ SUB on the same endpoint, decoding every
-payload with ``msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)`` —
-the engine's own struct definitions, none of kvwatch's code — and counting block
-hashes per medium per event (an event without a medium is the GPU pool's). Sequence
-numbers are checked: a gap is counted, never filled.
+Ground truth for kvwatch's ``kvwatch_kv_blocks_{stored,removed}_total{medium}``, its per-group
+``kvwatch_kv_group_blocks_*`` and ``kvwatch_kv_cache_resets_total``: a ZMQ SUB on the same
+endpoint, decoding every payload with ``msgspec.msgpack.Decoder(vllm.distributed.kv_events.
+KVEventBatch)`` — the engine's own struct definitions, none of kvwatch's code — and counting
+block hashes per medium per event (an event without a medium is the GPU pool's) and per
+medium and KV cache group (``group_idx``; 0 without one). Sequence numbers are checked: a gap is
+counted, never filled.
+
+Per group it also keeps its own plain book of what is held (a multiset: vLLM may hold one hash
+in two blocks) and what was removed (a set): blocks stored while held, stored again after their
+removal, held at the end. A GPU store without a parent whose last block the group holds is the
+shape of a prefix-hit announcement (``kv_cache_report_mode`` full): counted apart and not booked
+(vLLM's own hit counter is what closes those).
 
 It also records the stream for the CI-side replay: every batch as one JSON line
 (arrival time, seq, engine timestamp, events with hashes renamed to small integers
@@ -59,10 +66,59 @@ def vllm_classes(kv_events_py: str | None) -> Any:
     return load_path(Path(kv_events_py))
 
 
+class Book:
+    """One (medium, group): held hashes as a multiset, removed ones as a set."""
+
+    def __init__(self) -> None:
+        self.held: dict[Any, int] = {}
+        self.gone: set[Any] = set()
+        self.restored = self.regretted = self.announced = 0
+        self.kind: str | None = None
+        self.window: int | None = None
+
+    def store(self, hashes: list[Any], parent: Any, gpu: bool) -> None:
+        if gpu and parent is None and hashes and self.held.get(hashes[-1], 0) > 0:
+            self.announced += len(hashes)
+            return
+        for h in hashes:
+            if self.held.get(h, 0) > 0:
+                self.restored += 1
+            elif h in self.gone:
+                self.regretted += 1
+                self.gone.discard(h)
+            self.held[h] = self.held.get(h, 0) + 1
+
+    def remove(self, hashes: list[Any]) -> None:
+        for h in hashes:
+            n = self.held.get(h, 0)
+            if n > 1:
+                self.held[h] = n - 1
+            else:
+                self.held.pop(h, None)
+                self.gone.add(h)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.gone.clear()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "restored": self.restored,
+            "regretted": self.regretted,
+            "announced": self.announced,
+            "resident": sum(self.held.values()),
+            "kind": self.kind,
+            "window": self.window,
+        }
+
+
 class Counts:
     def __init__(self) -> None:
         self.stored: dict[str, int] = {}
         self.removed: dict[str, int] = {}
+        self.group_stored: dict[str, int] = {}  # "MEDIUM:group" -> blocks
+        self.group_removed: dict[str, int] = {}
+        self.books: dict[str, Book] = {}
         self.cleared = 0
         self.batches = 0
         self.events = 0
@@ -118,14 +174,26 @@ class Recorder:
         c.events += 1
         if not isinstance(ev, stored_t | removed_t):
             c.cleared += 1
+            for b in c.books.values():
+                b.clear()
             return ["C"]
         medium = ev.medium or "GPU"  # an event without a medium is the GPU pool's
+        group = getattr(ev, "group_idx", None)
+        key = f"{medium}:{group or 0}"
         hashes = [self.ids.setdefault(h, len(self.ids)) for h in ev.block_hashes]
         table = c.stored if isinstance(ev, stored_t) else c.removed
         table[medium] = table.get(medium, 0) + len(hashes)
+        per_group = c.group_stored if isinstance(ev, stored_t) else c.group_removed
+        per_group[key] = per_group.get(key, 0) + len(hashes)
+        book = c.books.setdefault(key, Book())
         if isinstance(ev, stored_t):
-            return ["S", medium, hashes, ev.block_size]
-        return ["R", medium, hashes]
+            parent = None if ev.parent_block_hash is None else self.ids.setdefault(ev.parent_block_hash, len(self.ids))
+            book.kind = getattr(ev, "kv_cache_spec_kind", None) or book.kind
+            book.window = getattr(ev, "kv_cache_spec_sliding_window", None) or book.window
+            book.store(hashes, parent, medium == "GPU")
+            return ["S", medium, hashes, ev.block_size, group, parent, book.kind, book.window]
+        book.remove(hashes)
+        return ["R", medium, hashes, group]
 
     def _keep_raw(self, line: dict[str, Any], frames: list[bytes], evs: list[list[Any]]) -> None:
         keep = self.counts.batches <= RAW_FIRST
@@ -140,7 +208,10 @@ class Recorder:
 
     def dump(self) -> None:
         tmp = self.out / "subscriber_counts.json.tmp"
-        tmp.write_text(json.dumps({**vars(self.counts), "at": time.monotonic(), "hashes": len(self.ids)}))
+        c = self.counts
+        out = {k: v for k, v in vars(c).items() if k != "books"}
+        out["groups"] = {k: b.summary() for k, b in sorted(c.books.items())}
+        tmp.write_text(json.dumps({**out, "at": time.monotonic(), "hashes": len(self.ids)}))
         tmp.replace(self.out / "subscriber_counts.json")
 
     def close(self) -> None:
