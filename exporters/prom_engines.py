@@ -136,6 +136,7 @@ class _GroupFamilies:
         ("removed_young", "removed_young", "KV blocks evicted within engines.thrash_seconds of being stored"),
         ("regretted", "regretted", "KV blocks stored again after the engine removed them"),
         ("restored", "restored", "KV blocks stored again while the engine still held them"),
+        ("announced", "announced", "KV blocks announced again while held: prefix-cache hits reported"),
     )
 
     def __init__(self, labels: list[str]) -> None:

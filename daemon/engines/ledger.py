@@ -35,6 +35,7 @@ STABLE_SCRAPES = 5  # changes of the offload counter that left its common diviso
 MIN_DIVISOR = 1024  # a smaller common divisor is no block size
 FALLBACK_SCRAPES = 20  # scrapes without a believed divisor before the ratio is used
 MIN_LEARN_BLOCKS = 64  # CPU blocks announced, for the ratio
+K_TOLERANCE = 0.02  # how near an integer the stream's blocks per divisor must be
 
 
 def tier_of(medium: str) -> str:
@@ -46,14 +47,16 @@ class BlockBytes:
 
     The engine copies whole blocks, so its cumulative offload bytes are always a multiple of
     the block size, and their greatest common divisor over the scrapes falls to the block size
-    as soon as two of the counts are coprime; it is believed once ``STABLE_SCRAPES`` changes
-    of the counter have left it alone. The ratio of those bytes to the CPU blocks the stream
-    announced is no substitute while transfers run: the counter counts copies finished, the
-    stream blocks scheduled (on the real vLLM run the ratio stayed up to 77 % under the block
-    size through a pressure phase, while the divisor was exact from the sixth scrape). It is
-    the fallback for an engine whose bytes have no usable divisor (under ``MIN_DIVISOR``),
-    after ``FALLBACK_SCRAPES`` scrapes; a usable divisor not yet settled is waited for (on the
-    real run a steady engine offloads seldom, and the ratio priced the first blocks wrong).
+    as soon as two of the counts are coprime. It does not when every transfer is a multiple of
+    k blocks (prompts of one length, as a fixed-length benchmark sends: 56 blocks each): the
+    divisor is then k blocks. The CPU blocks the stream announced tell k: the bytes over the
+    divisor count transfers, the stream counts blocks, and their ratio settles on the integer k
+    as the totals grow (the counter counts copies finished, the stream blocks scheduled: early
+    on, and through a pressure phase, the stream runs ahead, up to 4 x on the real vLLM run,
+    and the ratio is no integer). A divisor is believed once its k has been the same integer,
+    within K_TOLERANCE, for ``STABLE_SCRAPES`` changes of the counter (k 1 the common case);
+    what is believed stays. Without a usable divisor (under ``MIN_DIVISOR``) the ratio of bytes
+    to CPU blocks is the fallback, after ``FALLBACK_SCRAPES`` scrapes.
     """
 
     def __init__(self, configured: int = 0) -> None:
@@ -63,27 +66,47 @@ class BlockBytes:
         self._at = -1.0
         self._last_bytes = -1.0
         self._gcd = 0
+        self._candidate = 0
         self._stable = 0
         self._scrapes = 0
 
     def observe(self, at: float, offload_store_bytes: float | None, cpu_blocks_stored: int) -> None:
-        if self.source == "config" or offload_store_bytes is None or at <= self._at:
+        if self.source in ("config", "offload") or offload_store_bytes is None or at <= self._at:
             return
         self._at = at
         self._scrapes += 1
         if self._origin is None:
             self._origin = (offload_store_bytes, cpu_blocks_stored)
+        nbytes, blocks = offload_store_bytes - self._origin[0], cpu_blocks_stored - self._origin[1]
+        clear = 0
         if offload_store_bytes != self._last_bytes:
             self._last_bytes = offload_store_bytes
             g = math.gcd(self._gcd, int(offload_store_bytes))
-            self._stable = self._stable + 1 if g == self._gcd else 0
-            self._gcd = g
-        if self._gcd >= MIN_DIVISOR and self._stable >= STABLE_SCRAPES:
-            self.value, self.source = self._gcd, "offload"
+            clear = self._per_block(g, nbytes, blocks)
+            if g != self._gcd or (clear and clear != self._candidate):
+                self._gcd, self._candidate, self._stable = g, clear, 0
+            else:  # the divisor unchanged, and no other size named (unclear contradicts nothing)
+                self._stable += 1
+        if clear and clear == self._candidate and self._stable >= STABLE_SCRAPES:
+            self.value, self.source = self._candidate, "offload"
             return
-        nbytes, blocks = offload_store_bytes - self._origin[0], cpu_blocks_stored - self._origin[1]
         if self._gcd < MIN_DIVISOR and self._scrapes >= FALLBACK_SCRAPES and blocks >= MIN_LEARN_BLOCKS and nbytes > 0:
             self.value, self.source = round(nbytes / blocks), "offload_ratio"
+
+    @staticmethod
+    def _per_block(g: int, nbytes: float, blocks: int) -> int:
+        """The divisor over the k the stream says it spans; 0 while that is unclear."""
+        if g < MIN_DIVISOR:
+            return 0
+        if blocks < MIN_LEARN_BLOCKS or nbytes <= 0:
+            return g
+        est = blocks * g / nbytes
+        k = max(round(est), 1)
+        if k == 1:
+            return g  # one block per divisor, the stream maybe running ahead of the copies
+        if abs(est / k - 1) > K_TOLERANCE:
+            return 0  # the stream far ahead, or not settled on a whole k yet
+        return g // k if g % k == 0 and g // k >= MIN_DIVISOR else 0
 
 
 @dataclass(slots=True)

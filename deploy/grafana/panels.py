@@ -347,6 +347,10 @@ ROWS: list[tuple[str, list[Graph]]] = [
                         "{{pid}} hit blocks announced {{medium}}",
                     ),
                     (
+                        rate("kvwatch_kv_group_blocks_announced_total", f"{BY_PROC}, medium, group, kind"),
+                        "{{pid}} hit blocks announced {{medium}} g{{group}} {{kind}}",
+                    ),
+                    (
                         rate("kvwatch_kv_blocks_stored_extra_keys_total", f"{BY_PROC}, key"),
                         "{{pid}} stored with {{key}}",
                     ),

@@ -47,6 +47,7 @@ class Workload:
 
 STEADY = Workload("hot", clients=8)
 PRESSURE = Workload("unique", clients=32)
+NOSHARE = Workload("unique", clients=1)  # prompts that share nothing, at a pace the pool holds
 PREEMPT = Workload("long", clients=32, max_tokens=1100, ignore_eos=True)
 
 
@@ -94,8 +95,11 @@ class Prompts:
 
 
 class Client:
-    def __init__(self, host: str, port: int, model: str, timeout: float = 300.0) -> None:
+    def __init__(
+        self, host: str, port: int, model: str, timeout: float = 300.0, xargs: dict[str, Any] | None = None
+    ) -> None:
         self.host, self.port, self.model, self.timeout = host, port, model, timeout
+        self.xargs = xargs  # vLLM's per-request extra arguments (vllm_xargs): kv_cache_report_mode ...
         self._conn: http.client.HTTPConnection | None = None
 
     def complete(self, prompt: list[int], max_tokens: int, ignore_eos: bool) -> tuple[int, int | None]:
@@ -109,6 +113,8 @@ class Client:
         if ignore_eos:
             body["ignore_eos"] = True
             body["min_tokens"] = max_tokens
+        if self.xargs:
+            body["vllm_xargs"] = self.xargs
         data = json.dumps(body).encode()
         for attempt in (0, 1):  # a keep-alive connection the server closed: reconnect once
             if self._conn is None:
@@ -183,8 +189,8 @@ class Run:
 
 
 class Load:
-    def __init__(self, host: str, port: int, model: str, seed: int = 0) -> None:
-        self.host, self.port, self.model = host, port, model
+    def __init__(self, host: str, port: int, model: str, seed: int = 0, xargs: dict[str, Any] | None = None) -> None:
+        self.host, self.port, self.model, self.xargs = host, port, model, xargs
         self.prompts = Prompts(seed)
         self.runs: list[Run] = []
 
@@ -192,7 +198,7 @@ class Load:
         run = Run(phase, w, started=time.monotonic())
 
         def client_loop() -> None:
-            c = Client(self.host, self.port, self.model)
+            c = Client(self.host, self.port, self.model, xargs=self.xargs)
             run._clients.append(c)
             try:
                 while not run._stop.is_set():

@@ -16,7 +16,7 @@ from typing import Any
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, EngineLedger
+from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger
 from kvwatch.daemon.engines.records import (
     EngineSample,
     GroupTotals,
@@ -121,19 +121,34 @@ def test_ledger_splits_preemption_prices_late_and_keeps_disk_bytes() -> None:
     assert t[("cpu", "evicted")] == LossTotal(2, None) and t[("cpu", "cleared")] == LossTotal(5, None)
     assert t[("disk", "reclaim")] == LossTotal(0, 5 * 4096) and t[("disk", "evicted")] == LossTotal(0, 4096)
     # the engine's offload counter, read every scrape while the stream's CPU blocks run ahead
-    # of the copies (the ratio is far off), always a multiple of 512 KiB: 2931 and 2950 blocks
+    # of the copies (by 10 to 45 blocks), always a multiple of 512 KiB: 2931 and 2950 blocks
     # are coprime, and five more changes leave the divisor alone
     gpu = MediumTotals(150, 30, dropped=3)
     copied = (2931, 2950, 2972, 2972, 2997, 3101, 3150, 3198)
     for i, blocks_copied in enumerate(copied):
         assert led.block_bytes.value is None
-        more = stream(gpu, MediumTotals(40 + 100 * i, 2, cleared=5))
+        more = stream(gpu, MediumTotals(40 + blocks_copied - 2931 + 10 + 5 * i, 2, cleared=5))
         led.streams([more], sample(blocks_copied * 524_288.0, at=float(i)), False)
     t = led.totals()
     assert (led.block_bytes.value, led.block_bytes.source) == (524_288, "offload")
     assert t[("gpu", "evicted")] == LossTotal(23, 23 * 524_288)  # priced once known
     assert t[("gpu", "preempted")] == LossTotal(7, 7 * 524_288)
     assert t[("disk", "reclaim")] == LossTotal(0, 5 * 4096)
+
+
+def test_transfers_all_of_k_blocks_learn_the_block_not_k() -> None:
+    """A fixed-length benchmark: every request offloads 56 blocks, so every count of the offload
+    counter is a multiple of 56 blocks. The stream's CPU blocks say how many blocks a divisor
+    spans; while one request's copy is still in flight the ratio is no whole number."""
+    led = EngineLedger()
+    for i in range(1, 80):
+        done = 56 * i  # blocks copied; the stream announced the next request's already
+        cpu = MediumTotals(56 * (i + 1), 0)
+        led.streams([stream(MediumTotals(0, 0), cpu)], sample(done * 524_288.0, at=float(i)), False)
+        if led.block_bytes.value is not None:
+            break
+    assert (led.block_bytes.value, led.block_bytes.source) == (524_288, "offload")
+    assert i < STABLE_SCRAPES + 4  # the stream said 56 from its first full request
 
 
 def test_block_size_from_the_ratio_when_no_divisor_fits() -> None:
