@@ -276,7 +276,7 @@ class EngineTaps:
                 acc = copies.setdefault(owner, [0.0, 0.0, 0.0, 0.0])
                 acc[0] += t.series.last("cuda_copy_d2h_bytes")
                 acc[1] += t.series.last("cuda_copy_h2d_bytes")
-                acc[2] += 1.0
+                acc[2] += float(t.series.gauge("uprobe_symbols:cuda") > 0)  # a CUDA library's probes attached
                 acc[3] += t.series.gauge("uprobes_shed:cuda")
         for t in tracked:  # the copies of the engine's processes, summed on the tapped one (the audit's)
             if t.key in copies:

@@ -24,6 +24,7 @@ from kvwatch.probes.uprobes import PerProcessUprobes
 
 UPROBE_CALLS = "uprobe_calls:"  # + family: a process's probed calls, cumulative
 UPROBES_SHED = "uprobes_shed:"  # + family: 1 while the cost budget has its probes detached
+UPROBE_SYMBOLS = "uprobe_symbols:"  # + family: symbols attached in the process now
 P = TypeVar("P", bound=PerProcessUprobes[Any])
 T = TypeVar("T", bound=FamilyTracker)
 
@@ -118,6 +119,7 @@ class UprobeFamily(Generic[P, T]):
                 t.series.add(now, values)
                 gauges = self.tracker.gauges(t.pid)
                 gauges[f"{UPROBES_SHED}{self.name}"] = float(self.tracker.is_shed(t.pid))
+                gauges[f"{UPROBE_SYMBOLS}{self.name}"] = float(self.tracker.symbols_attached(t.pid))
                 t.series.set_gauges(gauges)
 
     def not_ready(self) -> str | None:

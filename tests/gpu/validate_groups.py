@@ -92,6 +92,7 @@ class Server:
     gpu_blocks: int
     offload: bool = False
     xargs: dict[str, Any] | None = None
+    fallback: str = ""  # a model to serve instead, should this one not start
     pid: int = 0
     core: int = 0
     sub_pid: int = 0
@@ -108,7 +109,7 @@ class Server:
 
 SERVERS = (
     Server("hybrid", "hybrid", 8000, 5557, 6144, offload=True),
-    Server("sliding", "sliding", 8001, 5558, 2048),
+    Server("sliding", "sliding", 8001, 5558, 2048, fallback="sliding_gemma"),
     Server("full", "hybrid", 8002, 5559, 6144, xargs={"kv_cache_report_mode": "full"}),
 )
 
@@ -142,7 +143,8 @@ class Run:
         self.t0 = time.monotonic()
         self.results: dict[str, Any] = {"servers": {}}
         self.st = State(engine=args.engine)
-        self.servers = [Server(**{k: getattr(s, k) for k in ("name", "model", "port", "kv_port", "gpu_blocks", "offload", "xargs")}) for s in SERVERS]  # fmt: skip
+        keep = ("name", "model", "port", "kv_port", "gpu_blocks", "offload", "xargs", "fallback")
+        self.servers = [Server(**{k: getattr(s, k) for k in keep}) for s in SERVERS]
         self.pollers: list[Any] = []
 
     def left(self) -> float:
@@ -177,8 +179,16 @@ class Run:
             st.pids[f"vllm_{s.name}"] = s.pid
             st.mark("vllm_start", server=s.name, pid=s.pid, offload=s.offload)
             time.sleep(self.args.stagger)
-        for s in self.servers:
-            self.wait_healthy(s)
+        for s in list(self.servers):
+            try:
+                self.wait_healthy(s)
+            except (RuntimeError, TimeoutError) as err:  # the others still run: this one is reported
+                st.note(f"{s.name}: {err}")
+                self.results["servers"][s.name] = {"failed": str(err), "notes": s.notes}
+                stop(s.pid, 10)
+                self.servers.remove(s)
+        if not self.servers:
+            raise RuntimeError("no vLLM server started")
         for s in self.servers:
             self.find_core(s)
         self.wait_tapped()
@@ -197,13 +207,16 @@ class Run:
             return
         if s.offload:  # the hybrid model with the CPU tier did not start: once more without it
             s.notes.append("did not start with the OffloadingConnector: see its log; started without")
-            self.st.note(f"{s.name}: exited during start-up with the CPU tier; retrying without it")
             s.offload = False
-            s.pid = start_session(serve_argv(s, self.args), WORK / f"vllm_{s.name}.log", env=self.env())
-            self.st.pids[f"vllm_{s.name}"] = s.pid
-            self.wait_healthy(s)
-            return
-        raise RuntimeError(f"vLLM {s.name} exited during start-up")
+        elif s.fallback:
+            s.notes.append(f"model {s.model} did not start: see its log; served {s.fallback} instead")
+            s.model, s.fallback = s.fallback, ""
+        else:
+            raise RuntimeError(f"vLLM {s.name} exited during start-up")
+        self.st.note(f"{s.name}: {s.notes[-1]}")
+        s.pid = start_session(serve_argv(s, self.args), WORK / f"vllm_{s.name}.log", env=self.env())
+        self.st.pids[f"vllm_{s.name}"] = s.pid
+        self.wait_healthy(s)
 
     def find_core(self, s: Server) -> None:
         def core() -> int:
@@ -269,7 +282,7 @@ class Run:
     def phases(self) -> None:
         for s in self.servers:
             s.load = Load("127.0.0.1", s.port, "tiny", seed=self.args.seed + s.port, xargs=s.xargs)
-            self.results["servers"][s.name] = {"pid": 0, "notes": s.notes}
+            self.results["servers"][s.name] = {"pid": s.pid, "notes": s.notes}
         t = self.t
         self.phase("noshare", NOSHARE, t["noshare"])
         self.phase("steady", STEADY, t["steady"])

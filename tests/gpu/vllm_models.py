@@ -8,7 +8,7 @@ that ``make_tiny_model.py`` wrote and a config of its own:
 * ``sliding`` — Mistral-style: every layer sliding-window (window 256): one group of kind
   sliding_window.
 
-    python3 tests/gpu/vllm_models.py /tmp/tiny /tmp/models     (writes /tmp/models/{hybrid,sliding})
+    python3 tests/gpu/vllm_models.py /tmp/tiny /tmp/models     (writes /tmp/models/{hybrid,sliding,...})
 """
 
 from __future__ import annotations
@@ -78,7 +78,14 @@ def sliding() -> dict[str, Any]:
     }
 
 
-SHAPES = {"hybrid": hybrid, "sliding": sliding}
+def sliding_gemma() -> dict[str, Any]:
+    """The stand-in should the sliding-only Mistral config not load: Gemma 3 with every layer sliding."""
+    c = hybrid()
+    c["layer_types"] = ["sliding_attention"] * len(c["layer_types"])
+    return c
+
+
+SHAPES = {"hybrid": hybrid, "sliding": sliding, "sliding_gemma": sliding_gemma}
 
 
 def write(tiny: Path, out: Path) -> list[Path]:
