@@ -42,7 +42,9 @@ full-attention blocks that hold a request's whole prefix; the sliding-window gro
 leaves their window by design, and that churn is neither a burst nor thrash. A model whose only
 group keeps a window (sliding-window attention throughout) is judged on its removals with the
 hit-ratio guard as any other, but a window's blocks are evicted young by design: young
-removals are no evidence of thrash there.
+removals are no evidence of thrash there, and its usage counts the running requests' windows
+only (a full cache of freed blocks reads low): a burst there is pressure, or thrash when it
+preempts.
 
 One finding per process. The alert's ``medium`` label is the first medium that is hot in a
 fixed order — the engine's own pool (GPU) first, then CPU, then the rest by name — and it
@@ -184,6 +186,8 @@ class EvictionBurst:
             out["queried_tokens"] = q
             if q >= c.min_queried_tokens and q > 0:
                 out["hit_ratio"] = s.delta(src.hits, w) / q
+        if src.window_bounded:
+            out["window_bounded"] = 1.0
         if src.medium == "GPU":  # the engine's usage and preemptions are about its own (GPU) pool
             if s.gauge("engine_metrics_fresh") and "engine_kv_usage" in s.gauges:
                 out["kv_usage"] = s.gauge("engine_kv_usage")
@@ -199,7 +203,7 @@ class EvictionBurst:
         c = self.config
         if m.get("preemptions_per_second", 0.0) >= max(c.thrash_preemptions_per_second, 1e-9):
             return "thrash"
-        if m.get("kv_usage", 0.0) >= c.usage_pressure:
+        if m.get("kv_usage", 0.0) >= c.usage_pressure or m.get("window_bounded"):
             return "pressure"
         if evidence and m.get("young_fraction", 0.0) >= c.thrash_fraction:
             return "thrash"

@@ -13,7 +13,10 @@ the hit ratio is back above twice that or the queries stop. The cause tells two 
   prefix caching off, a cache salt or LoRA id that differs per request, an engine bug. A
   warning.
 * ``not_shared``: no block recurs at all. The workload has no shared prefixes, and a prefix
-  cache cannot help it: severity info, for the record.
+  cache cannot help it: severity info, for the record. Only where that is the engine's normal:
+  its hit ratio learnt over ``baseline_half_life_seconds`` is at most twice ``max_hit_ratio``.
+  A drop from hits it had (a flood of unique prompts, a workload that changed) is no statement
+  about the workload, and evictions that come with it are KVEvictionBurst's.
 
 Blocks that come back only after their eviction are the pool too small for the working set:
 KVEvictionBurst's case, not judged here. Nor is a window with a prefix-cache reset or sleep
@@ -32,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
-from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
+from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.detectors.view import ProcessWindow
 
@@ -45,6 +48,7 @@ WINDOW_REGRETTED = "kv_window_regretted_blocks:GPU"
 @dataclass(slots=True)
 class _State:
     hysteresis: Hysteresis
+    hit: Baseline  # the engine's hit ratio, learnt while nothing fires
     cause: str = ""
 
 
@@ -53,7 +57,8 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
     needs = (QUERIES, STORED)
 
     def new_state(self) -> _State:
-        return _State(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
+        c = self.config
+        return _State(Hysteresis(c.confirm_windows, c.clear_windows), Baseline(c.baseline_half_life_seconds))
 
     def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c, s, w = self.config, p.series, self.config.window_seconds
@@ -66,9 +71,17 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
         evicted_first = share < c.recur_fraction and regretted >= c.recur_fraction * stored > 0
         intentional = s.delta("kv_cleared", w) > 0 or s.gauge("engine_sleeping") >= 1
         judged = p.age >= c.warmup_seconds and not intentional and not evicted_first
+        # "shares nothing" describes the workload: only where missing is the engine's normal, not a
+        # drop from what it hit before (a flood of unique prompts, a workload that changed)
+        normal = st.hit.weight == 0 or st.hit.value <= 2 * c.max_hit_ratio
         hot = judged and queried >= c.min_queried_tokens and ratio <= c.max_hit_ratio and stored >= c.min_stored_blocks
+        hot = hot and (share >= c.recur_fraction or normal)
         cool = not judged or queried < c.min_queried_tokens or ratio > 2 * c.max_hit_ratio
         firing, changed = st.hysteresis.step(hot, cool, now)
+        if firing:
+            st.hit.hold(now)
+        elif queried >= c.min_queried_tokens:
+            st.hit.update(ratio, now)
         if firing and changed:
             st.cause = "not_hit" if share >= c.recur_fraction else "not_shared"
         elif not firing:
@@ -81,6 +94,7 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
             "stored_while_held": restored,
             "stored_after_eviction": regretted,
             "window_group_lost": window_lost,
+            "baseline_hit_ratio": round(st.hit.value, 6),
             "recurring_fraction": round(share, 6),
             "window_seconds": w,
         }

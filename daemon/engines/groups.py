@@ -34,10 +34,13 @@ MAX_KIND_CHARS = 40
 
 
 class MediumGroups:
-    __slots__ = ("_offset", "_ref", "_ref_at", "bounds", "groups", "kinds", "locality", "windows")
+    __slots__ = ("_offset", "_ref", "_ref_at", "bounds", "groups", "kinds", "like", "locality", "windows")
 
-    def __init__(self, bounds: tuple[int, int]) -> None:
+    def __init__(self, bounds: tuple[int, int], like: MediumGroups | None = None) -> None:
         self.bounds = bounds  # per group: store times, removals remembered
+        # a tier below the GPU pool holds the same groups (its group_idx is the pool's) and says
+        # nothing of their kinds (the offloading connector's placeholders): the pool's say it
+        self.like = like
         self.groups: dict[int, MediumBlocks] = {}
         self.kinds: dict[int, str] = {}
         self.windows: dict[int, int] = {}
@@ -55,25 +58,34 @@ class MediumGroups:
                 g = self.groups.get(key)
             if g is None:
                 g = self.groups[key] = MediumBlocks(*self.bounds)
-                self._choose()
+                self.choose()
         return g
 
-    def learn(self, idx: int | None, kind: str | None, window: int | None, locality: str | None) -> None:
-        """What a BlockStored says of its group (and where the medium lives)."""
+    def learn(self, idx: int | None, kind: str | None, window: int | None, locality: str | None) -> bool:
+        """What a BlockStored says of its group (and where the medium lives); True when it told a
+        group's kind for the first time (or a new one)."""
         if locality and locality != self.locality and len(locality) <= MAX_KIND_CHARS:
             self.locality = locality
         key = idx if isinstance(idx, int) and idx >= 0 else 0
         if kind is None or key not in self.groups or self.kinds.get(key) == kind:
-            return
+            return False
         self.kinds[key] = kind if len(kind) <= MAX_KIND_CHARS and kind.isprintable() else "unknown"
         if window:
             self.windows[key] = window
-        self._choose()
+        self.choose()
+        return True
+
+    def kind(self, idx: int) -> str:
+        k = self.kinds.get(idx)
+        if k is None and self.like is not None:
+            return self.like.kinds.get(idx, "")
+        return k or ""
 
     def is_full(self, idx: int) -> bool:
-        return self.kinds.get(idx, "") in FULL_KINDS
+        return self.kind(idx) in FULL_KINDS
 
-    def _choose(self) -> None:
+    def choose(self) -> None:
+        """The reference: the lowest-index group of a whole-prefix kind, else the lowest."""
         idx = sorted(k for k in self.groups if k != OTHER_GROUP) or [OTHER_GROUP]
         ref = next((k for k in idx if self.is_full(k)), idx[0])
         if ref == self._ref:
@@ -100,9 +112,15 @@ class MediumGroups:
     def totals(self, medium: str) -> list[GroupTotals]:
         ref = self.reference
         return [
-            GroupTotals(medium, k, self.kinds.get(k, ""), self.windows.get(k), k == ref, g.totals())
+            GroupTotals(medium, k, self.kind(k), self._window(k), k == ref, g.totals())
             for k, g in sorted(self.groups.items())
         ]
+
+    def _window(self, idx: int) -> int | None:
+        w = self.windows.get(idx)
+        if w is None and self.like is not None and idx not in self.kinds:
+            return self.like.windows.get(idx)
+        return w
 
     @property
     def stored(self) -> int:

@@ -23,6 +23,7 @@ from kvwatch.daemon.engines.wire import (
     extra_keys,
 )
 
+BLOCK_EVENTS = (*STORED, *REMOVED)
 DEFAULT_MEDIUM = "GPU"  # events without a medium (vLLM ≤ 0.10) came from the GPU block pool
 MAX_MEDIA = 8
 
@@ -77,11 +78,16 @@ class StreamCounts:
         ts = batch.ts
         self.last_ts = max(self.last_ts, ts)
         young_before = ts - self.thrash_seconds
-        for ev in batch.events:  # the groups a batch describes, known before any of its blocks count
-            if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
+        learnt = False
+        for ev in batch.events:  # the groups a batch names, known before any of its blocks count
+            if isinstance(ev, BLOCK_EVENTS) and ev.group_idx is not None:
                 mg = self._medium(ev.medium)
                 mg.group(ev.group_idx)
-                mg.learn(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality)
+                if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
+                    learnt |= mg.learn(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality)
+        if learnt:  # the tiers below the pool take its groups' kinds
+            for m in self.media.values():
+                m.choose()
         for ev in batch.events:
             if isinstance(ev, STORED):
                 self._store(ev, ts)
@@ -151,5 +157,6 @@ class StreamCounts:
         if m is None:
             if len(self.media) >= MAX_MEDIA or len(key) > 32 or not key.isprintable():
                 key = "other"
-            m = self.media.setdefault(key, MediumGroups(self.bounds))
+            like = self.media.get(DEFAULT_MEDIUM) if key != DEFAULT_MEDIUM else None
+            m = self.media.setdefault(key, MediumGroups(self.bounds, like))
         return m

@@ -35,6 +35,7 @@ class Engine:
     hits_exported: bool = True
     cpu: bool = False  # an offload tier announcing medium CPU (vLLM's OffloadingConnector)
     external_hits: bool = False  # vLLM's external_prefix_cache_* for that tier
+    window_bounded: bool = False  # the GPU pool's reference KV cache group keeps a sliding window only
 
     def second(
         self,
@@ -72,6 +73,8 @@ class Engine:
             add("engine_external_prefix_hits", get("engine_external_prefix_hits", 0) + ext_queries * ext_hit)
         self.series.add(self.t, dict(self.c))
         gauges = {"engine_metrics_fresh": 1.0, "engine_sleeping": float(self.sleeping)}
+        if self.window_bounded:
+            gauges["kv_window_bounded:GPU"] = 1.0
         if self.usage is not None:
             gauges["engine_kv_usage"] = self.usage
         self.series.set_gauges(gauges)
@@ -109,6 +112,17 @@ class Run:
 def warm(r: Run) -> None:
     r.seconds(60)  # warm-up (10 s) + learning (20 s) and a steady state: 2 blocks/s, 80 % hits
     assert not r.firing and r.onsets == 0
+
+
+def test_a_sliding_window_pool_bursts_as_pressure_and_young_blocks_are_no_thrash() -> None:
+    """Sliding-window attention throughout (Mistral-style): blocks leave the window young by
+    design, and the running requests hold their windows only, so usage reads low while the
+    cache of freed blocks churns. A burst there is pressure, not thrash nor unexpected."""
+    r = Run(window_bounded=True, usage=0.3)
+    warm(r)
+    burst = r.seconds(10, removed=300, young=300, hit=0.2)
+    first = next(f for f in burst if f.firing)
+    assert first.cause == "pressure" and "young_fraction" not in first.values, first.values
 
 
 def test_pressure_burst_fires_once_then_clears() -> None:

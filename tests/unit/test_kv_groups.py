@@ -132,6 +132,17 @@ def test_other_media_keep_their_groups_and_locality(hub: KVEventHub) -> None:
     assert s.media["CPU"].stored == 5 and group(s, "CPU", 0).totals.stored == 5
 
 
+def test_a_tier_below_takes_the_pools_group_kinds(hub: KVEventHub) -> None:
+    """The offloading connector's placeholders name their group only: a hybrid model's CPU tier
+    follows the GPU pool's full-attention group, whichever index the groups came in."""
+    groups = (SW, SW, FULL)
+    cpu = [w.stored([h], [], medium="CPU", block_size=0, group_idx=g) for g in (1, 0, 2) for h in range(4)]
+    s = script_stats(hub, [(100.0, per_group(list(range(4)), groups)), (100.5, cpu)])
+    ref = [g for g in s.groups if g.medium == "CPU" and g.reference]
+    assert [(g.group, g.kind) for g in ref] == [(2, "full_attention")]
+    assert group(s, "CPU", 0).kind == "sliding_window" and s.media["CPU"].stored == 4
+
+
 def test_offload_drop_is_judged_per_group_and_only_where_whole_prefixes_live(hub: KVEventHub) -> None:
     """A full-attention block removed from the GPU and never offloaded was dropped; a sliding
     group's block leaving without an offload is its window at work."""

@@ -100,6 +100,19 @@ def test_not_shared_is_information_only() -> None:
     assert f.values["stored_while_held"] == f.values["stored_after_eviction"] == 0
 
 
+def test_a_flood_of_unique_prompts_after_hits_is_no_statement_about_the_workload() -> None:
+    """An engine that hit its prefixes (its normal) flooded with unique prompts: its window shares
+    nothing, but that is a drop (KVEvictionBurst's case when it evicts), not the workload's nature.
+    Once missing has been its normal for a while (the baseline learnt it), not_shared is said."""
+    cfg = CFG.model_copy(update={"baseline_half_life_seconds": 30.0})
+    d, e = PrefixCacheIneffective(cfg), Engine()
+    assert not any(f.firing for f in run(d, e, 60, shared=200, unique=5))
+    flood = run(d, e, 200, shared=0, unique=100)
+    assert not any(f.firing for f in flood[:30]), [f.values["baseline_hit_ratio"] for f in flood[:30]]
+    assert flood[-1].firing and flood[-1].cause == "not_shared"
+    assert flood[-1].values["baseline_hit_ratio"] <= 2 * cfg.max_hit_ratio
+
+
 def test_blocks_back_only_after_their_eviction_are_the_pools_size_not_a_broken_cache() -> None:
     d, e, findings = PrefixCacheIneffective(CFG), Engine(), []
     for _ in range(60):  # the same 100 prompts every second, each evicted before it comes back
