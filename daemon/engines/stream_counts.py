@@ -9,6 +9,8 @@ event counted by kind. Offline users (the replay tools, the benchmarks) feed pay
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MediumGroups
 from kvwatch.daemon.engines.records import StreamSpec, StreamStats
@@ -18,6 +20,7 @@ from kvwatch.daemon.engines.wire import (
     REMOVED,
     STORED,
     Decoder,
+    Event,
     StoredEvent,
     WireError,
     extra_keys,
@@ -78,16 +81,7 @@ class StreamCounts:
         ts = batch.ts
         self.last_ts = max(self.last_ts, ts)
         young_before = ts - self.thrash_seconds
-        learnt = False
-        for ev in batch.events:  # the groups a batch names, known before any of its blocks count
-            if isinstance(ev, BLOCK_EVENTS) and ev.group_idx is not None:
-                mg = self._medium(ev.medium)
-                mg.group(ev.group_idx)
-                if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
-                    learnt |= mg.learn(ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality)
-        if learnt:  # the tiers below the pool take its groups' kinds
-            for m in self.media.values():
-                m.choose()
+        self._learn(batch.events)
         for ev in batch.events:
             if isinstance(ev, STORED):
                 self._store(ev, ts)
@@ -101,6 +95,21 @@ class StreamCounts:
                 for m in self.media.values():
                     m.drop_all()
         self._settle(ts)
+
+    def _learn(self, events: Sequence[Event]) -> None:
+        """The groups a batch names, known before any of its blocks count (their reference settled
+        first); the tiers below the pool take its groups' kinds."""
+        learnt = False
+        for ev in events:
+            if isinstance(ev, BLOCK_EVENTS) and ev.group_idx is not None:
+                mg = self._medium(ev.medium)
+                mg.group(ev.group_idx)
+                if isinstance(ev, STORED) and ev.kv_cache_spec_kind is not None:
+                    window = ev.kv_cache_spec_sliding_window
+                    learnt |= mg.learn(ev.group_idx, ev.kv_cache_spec_kind, window, ev.locality)
+        if learnt:
+            for m in self.media.values():
+                m.choose()
 
     def _store(self, ev: StoredEvent, ts: float) -> None:
         mg = self._medium(ev.medium)

@@ -149,7 +149,10 @@ def check_counts(metrics: dict[str, Any], pid: str, groups: dict[str, dict[str, 
 
     info = [lab for lab, _ in metrics["kvwatch_kv_cache_group_info"] if lab["pid"] == pid]
     kinds = {lab["group"]: (lab["kind"], lab["sliding_window"], lab["reference"]) for lab in info}
-    assert kinds == {**{str(i): ("sliding_window", "256", "false") for i in range(5)}, "5": ("full_attention", "", "true")}
+    assert kinds == {
+        **{str(i): ("sliding_window", "256", "false") for i in range(5)},
+        "5": ("full_attention", "", "true"),
+    }
     for what in ("stored", "removed", "announced", "restored", "regretted"):
         assert of(f"kvwatch_kv_group_blocks_{what}_total") == {k: float(v[what]) for k, v in groups.items()}, what
     assert of("kvwatch_kv_group_blocks_resident") == {k: float(v["resident"]) for k, v in groups.items()}

@@ -47,39 +47,46 @@ def compact(events: list[list[Any]]) -> tuple[list[list[Any]], dict[str, dict[st
             out.append(["C"])
             continue
         kind, medium, ids = e[0], e[1], e[2]
-        if kind == "S":
-            bs, group, parent = e[3], e[4], e[5]
-            if e[6] is not None:
-                kinds.setdefault(medium, {})[str(group or 0)] = [e[6], e[7]]
-        else:
-            bs, group, parent = None, e[3], None
-        group = group or 0
-        last = out[-1] if out else None
-        if len(ids) == 1 and parent is None and last is not None and last[0] == kind.lower() and last[1:3] == [medium, bs]:
-            last[3].append(ids[0])
-            last[4].append(group)
-        elif last is not None and last[0] == kind and last[1:4] == [medium, bs, parent] and last[5] == ids:
-            last[4].append(group)
-        elif len(ids) == 1 and parent is None:
-            out.append([kind.lower(), medium, bs, [ids[0]], [group]])
-        else:
-            out.append([kind, medium, bs, parent, [group], list(ids)])
+        bs, group, parent = (e[3], e[4], e[5]) if kind == "S" else (None, e[3], None)
+        if kind == "S" and e[6] is not None:
+            kinds.setdefault(medium, {})[str(group or 0)] = [e[6], e[7]]
+        _append(out, kind, medium, bs, parent, group or 0, ids)
     for r in out:
         if r[0] in ("S", "R"):
             r[5] = runs(r[5])
-        elif r[0] in ("s", "r"):  # one hash per event, independent of each other: by group, then hash
-            by_group: dict[int, list[int]] = {}
-            for h, g in zip(r[3], r[4], strict=True):
-                by_group.setdefault(g, []).append(h)
-            segments: list[list[Any]] = []
-            prev: list[int] | None = None
-            for g, ids in sorted(by_group.items()):
-                ids.sort()
-                segments.append([g, 0 if ids == prev else runs(ids)])  # 0: the same hashes as the group before
-                prev = ids
-            del r[4]
-            r[3] = segments
+        elif r[0] in ("s", "r"):
+            r[3] = _by_group(r[3], r.pop(4))
     return out, kinds
+
+
+def _append(
+    out: list[list[Any]], kind: str, medium: str, bs: int | None, parent: Any, group: int, ids: list[int]
+) -> None:
+    last = out[-1] if out else None
+    single = len(ids) == 1 and parent is None
+    if single and last is not None and last[0] == kind.lower() and last[1:3] == [medium, bs]:
+        last[3].append(ids[0])
+        last[4].append(group)
+    elif last is not None and last[0] == kind and last[1:4] == [medium, bs, parent] and last[5] == ids:
+        last[4].append(group)
+    elif single:
+        out.append([kind.lower(), medium, bs, [ids[0]], [group]])
+    else:
+        out.append([kind, medium, bs, parent, [group], list(ids)])
+
+
+def _by_group(ids: list[int], groups: list[int]) -> list[list[Any]]:
+    """One-hash events, independent of their order: by group, then hash (0: the group before's)."""
+    by_group: dict[int, list[int]] = {}
+    for h, g in zip(ids, groups, strict=True):
+        by_group.setdefault(g, []).append(h)
+    segments: list[list[Any]] = []
+    prev: list[int] | None = None
+    for g, hs in sorted(by_group.items()):
+        hs.sort()
+        segments.append([g, 0 if hs == prev else runs(hs)])
+        prev = hs
+    return segments
 
 
 def _segments(segments: list[list[Any]]) -> Iterator[tuple[int, int]]:
@@ -105,46 +112,54 @@ def uncompact(records: list[list[Any]]) -> Iterator[Event]:
                 yield r[0].upper(), r[1], r[2], None, g, [h]
 
 
+class _Book:
+    """One "medium:group": a plain multiset of held hashes and a set of removed ones."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.gone: set[int] = set()
+        self.n = dict.fromkeys(("stored", "removed", "announced", "restored", "regretted"), 0)
+
+    def remove(self, ids: list[int]) -> None:
+        self.n["removed"] += len(ids)
+        for x in ids:
+            if self.held.get(x, 0) > 1:
+                self.held[x] -= 1
+            else:
+                self.held.pop(x, None)
+                self.gone.add(x)
+
+    def store(self, ids: list[int], announcing: bool) -> None:
+        if announcing and self.held.get(ids[-1], 0) > 0:
+            self.n["announced"] += len(ids)
+            return
+        self.n["stored"] += len(ids)
+        for x in ids:
+            if self.held.get(x, 0) > 0:
+                self.n["restored"] += 1
+            elif x in self.gone:
+                self.n["regretted"] += 1
+                self.gone.discard(x)
+            self.held[x] = self.held.get(x, 0) + 1
+
+
 def book(batches: list[list[Any]]) -> dict[str, dict[str, int]]:
-    """Per "medium:group": stored, removed, announced, restored, regretted, resident — a plain
-    multiset of held hashes and a set of removed ones (the validation's subscriber's rules)."""
-    held: dict[str, dict[int, int]] = {}
-    gone: dict[str, set[int]] = {}
-    out: dict[str, dict[str, int]] = {}
+    """Per "medium:group": stored, removed, announced, restored, regretted, resident (the
+    validation's subscriber's rules: a parentless GPU store of a held last block is announced)."""
+    books: dict[str, _Book] = {}
     for *_, records in batches:
         for kind, medium, _bs, parent, group, ids in uncompact(records):
             if kind == "C":
-                for h in held.values():
-                    h.clear()
-                for g in gone.values():
-                    g.clear()
+                for b in books.values():
+                    b.held.clear()
+                    b.gone.clear()
                 continue
-            key = f"{medium}:{group}"
-            n = out.setdefault(key, dict.fromkeys(("stored", "removed", "announced", "restored", "regretted"), 0))
-            h, g = held.setdefault(key, {}), gone.setdefault(key, set())
+            b = books.setdefault(f"{medium}:{group}", _Book())
             if kind == "R":
-                n["removed"] += len(ids)
-                for x in ids:
-                    if h.get(x, 0) > 1:
-                        h[x] -= 1
-                    else:
-                        h.pop(x, None)
-                        g.add(x)
-                continue
-            if medium == "GPU" and parent is None and h.get(ids[-1], 0) > 0:
-                n["announced"] += len(ids)
-                continue
-            n["stored"] += len(ids)
-            for x in ids:
-                if h.get(x, 0) > 0:
-                    n["restored"] += 1
-                elif x in g:
-                    n["regretted"] += 1
-                    g.discard(x)
-                h[x] = h.get(x, 0) + 1
-    for key, n in out.items():
-        n["resident"] = sum(held.get(key, {}).values())
-    return out
+                b.remove(ids)
+            else:
+                b.store(ids, medium == "GPU" and parent is None)
+    return {k: {**b.n, "resident": sum(b.held.values())} for k, b in books.items()}
 
 
 def main() -> None:
@@ -157,7 +172,11 @@ def main() -> None:
     args = ap.parse_args()
     v = json.loads((args.results / "validation.json").read_text())
     marks = {m["name"]: m for m in v["marks"]}
-    log = (args.results / f"subscriber_{args.server}.log").read_text() if (args.results / f"subscriber_{args.server}.log").exists() else ""
+    log = (
+        (args.results / f"subscriber_{args.server}.log").read_text()
+        if (args.results / f"subscriber_{args.server}.log").exists()
+        else ""
+    )
     t0 = next((json.loads(ln)["t0_monotonic"] for ln in log.splitlines() if "t0_monotonic" in ln), None)
     if t0 is None:
         raise SystemExit(f"subscriber_{args.server}.log (from logs.tar.gz) is needed beside validation.json")
