@@ -34,20 +34,36 @@ EVENTS = STORED_PER_BATCH + REMOVED_PER_BATCH
 BLOCKS = STORED_PER_BATCH * BLOCKS_PER_STORE + REMOVED_PER_BATCH
 
 
-def payloads(n: int = 64) -> list[bytes]:
+def group_fields(g: int, groups: int) -> dict[str, object]:
+    """vLLM 0.26+ tags every event with its KV cache group, and a store with the group's kind:
+    a Gemma-3-style layout, the last group full attention, the others sliding-window."""
+    if groups <= 1:
+        return {}
+    full = g == groups - 1
+    return {
+        "group_idx": g,
+        "kv_cache_spec_kind": "full_attention" if full else "sliding_window",
+        "kv_cache_spec_sliding_window": None if full else 256,
+    }
+
+
+def payloads(n: int = 64, groups: int = 1) -> list[bytes]:
+    """Every store and removal announced once per group (as vLLM's coordinator does)."""
     out = []
     h = 1 << 40
     for i in range(n):
         evs = []
         for _ in range(STORED_PER_BATCH):
-            evs.append(stored([h + k for k in range(BLOCKS_PER_STORE)], list(range(64)), parent=h - 1))
+            hashes = [h + k for k in range(BLOCKS_PER_STORE)]
+            evs += [stored(hashes, list(range(64)), parent=h - 1, **group_fields(g, groups)) for g in range(groups)]
             h += BLOCKS_PER_STORE
-        evs += [removed([h - 1000 - k]) for k in range(REMOVED_PER_BATCH)]
+        for k in range(REMOVED_PER_BATCH):
+            evs += [removed([h - 1000 - k], **group_fields(g, groups)) for g in range(groups)]
         out.append(encode_batch(Layout.V0_33, 1.7e9 + i, evs, 0))
     return out
 
 
-def publisher(port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.Event, mp.Value]) -> None:  # type: ignore[valid-type]
+def publisher(port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.Event, mp.Value], groups: int) -> None:  # type: ignore[valid-type]
     ready, go, sent = sync
     if os.cpu_count() and os.cpu_count() > 1:  # type: ignore[operator]
         os.sched_setaffinity(0, {1})  # the subscriber has core 0 to itself
@@ -55,7 +71,7 @@ def publisher(port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.E
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
     pub.bind(f"tcp://127.0.0.1:{port}")
-    bodies = payloads()
+    bodies = payloads(groups=groups)
     ready.set()
     go.wait()
     seq = 0
@@ -89,11 +105,11 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run(rate: float, seconds: float) -> dict[str, float]:
+def run(rate: float, seconds: float, groups: int = 1) -> dict[str, float]:
     port = free_port()
     ready, go = mp.Event(), mp.Event()
     sent = mp.Value("q", 0)
-    proc = mp.get_context("fork").Process(target=publisher, args=(port, rate, seconds, (ready, go, sent)))
+    proc = mp.get_context("fork").Process(target=publisher, args=(port, rate, seconds, (ready, go, sent), groups))
     proc.start()
     ready.wait(10)
     hub = KVEventHub()
@@ -121,7 +137,7 @@ def run(rate: float, seconds: float) -> dict[str, float]:
     s = hub.stats()[spec]
     wall = s.last_message_at - t0  # to the last batch drained
     hub.close()
-    blocks = sum(m.stored + m.removed for m in s.media.values())
+    blocks = sum(g.totals.stored + g.totals.removed for g in s.groups)
     return {
         "rate": rate,
         "sent": float(sent.value),
@@ -133,7 +149,7 @@ def run(rate: float, seconds: float) -> dict[str, float]:
         "batches_per_s": s.batches / wall,
         "events_per_s": s.events / wall,
         "blocks_per_s": blocks / wall,
-        "blocks_exact": float(blocks == s.batches * BLOCKS),
+        "blocks_exact": float(blocks == s.batches * BLOCKS * groups),
     }
 
 
@@ -142,27 +158,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--rates", default="2500,5000,10000,20000,0", help="batches/s; 0: unpaced")
+    ap.add_argument("--groups", default="1", help="KV cache groups, comma-separated for runs side by side (1,6)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    rows = [run(float(r), args.seconds) for r in args.rates.split(",")]
+    rows = [
+        {**run(float(r), args.seconds, int(g)), "groups": float(g)}
+        for r in args.rates.split(",")
+        for g in args.groups.split(",")
+    ]
     lines = [
         "# KV event subscriber throughput",
         "",
         f"Host: {platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, Python {platform.python_version()}.",
         f"Batch: {EVENTS} events ({STORED_PER_BATCH} BlockStored x {BLOCKS_PER_STORE} blocks, {REMOVED_PER_BATCH} "
         f"BlockRemoved x 1), {BLOCKS} blocks, vLLM 0.33 layout; {args.seconds:g} s per run; publisher in another process.",
+        "With G KV cache groups (a hybrid model: the last full attention, the others sliding-window) every event is",
+        "announced once per group: G x the events and blocks per batch, each tagged with its group (and a store with",
+        "its kind): the same batch rates, G times the blocks.",
         "The subscriber process is pinned to one core (taskset-style affinity), the publisher to another.",
         "CPU: the subscriber process's user+system seconds over the run's wall time (1.00 = all of its core).",
         "",
-        "| offered batches/s | received / sent | lost | gaps | batches/s | events/s | blocks/s | CPU (cores) | counts exact |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| offered batches/s | groups | received / sent | lost | gaps | batches/s | events/s | blocks/s | CPU (cores) "
+        "| blocks/s per core | counts exact |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for r in rows:
         offered = f"{r['rate']:.0f}" if r["rate"] else "unpaced"
+        cores = r["cpu"] / r["wall"]
         lines.append(
-            f"| {offered} | {r['received']:.0f} / {r['sent']:.0f} | {r['lost']:.0f} | {r['gaps']:.0f} | "
-            f"{r['batches_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['blocks_per_s']:,.0f} | "
-            f"{r['cpu'] / r['wall']:.2f} | {'yes' if r['blocks_exact'] else 'NO'} |"
+            f"| {offered} | {r['groups']:.0f} | {r['received']:.0f} / {r['sent']:.0f} | {r['lost']:.0f} | "
+            f"{r['gaps']:.0f} | {r['batches_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['blocks_per_s']:,.0f} | "
+            f"{cores:.2f} | {r['blocks_per_s'] / cores:,.0f} | {'yes' if r['blocks_exact'] else 'NO'} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -16,6 +16,10 @@ half of them GPU stores and half the CPU tier's stores of the same blocks (a CPU
 times the GPU's, evicting its oldest), each GPU removal checked against the CPU tier (the
 loss ledger's offload drops): two media's memories in one stream.
 
+``--groups N`` models a hybrid model (vLLM announces every block range once per KV cache group):
+N groups in each medium, the last full attention, the others sliding-window, at the same 1M
+blocks/s announced in all (so each group's share of the blocks is 1/N).
+
 ``--seconds`` is stream time at 1M blocks/s; the run takes as long as this process needs to
 account that many blocks (it reports its own blocks/s of CPU, too).
 """
@@ -30,7 +34,7 @@ import time
 from pathlib import Path
 
 from kvwatch.daemon.config import EnginesConfig
-from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.groups import MediumGroups
 from kvwatch.daemon.engines.records import MediumTotals
 
 RATE = 1_000_000  # blocks per second of stream
@@ -53,19 +57,34 @@ def _slots(lo: int, back_at: dict[int, int], *, last: bool) -> list[int]:
     return hashes
 
 
-def run(
-    seconds: float, samples: int, offload: bool = False
-) -> tuple[list[tuple[float, float, float]], dict[str, int], float, float]:
+def kind(g: int, groups: int) -> tuple[str, int | None]:
+    """A Gemma-3-style layout: the last group full attention, the others sliding-window."""
+    return ("full_attention", None) if g == groups - 1 else ("sliding_window", 256)
+
+
+def media(groups: int, offload: bool) -> tuple[MediumGroups, MediumGroups | None]:
     cfg = EnginesConfig()
-    m = MediumBlocks(cfg.max_tracked_blocks, cfg.regret_memory_blocks)
-    cpu_m = MediumBlocks(cfg.max_tracked_blocks, cfg.regret_memory_blocks) if offload else None
-    lower = [cpu_m] if cpu_m is not None else []
+    bounds = (cfg.max_tracked_blocks, cfg.regret_memory_blocks)
+    gpu = MediumGroups(bounds)
+    cpu = MediumGroups(bounds, like=gpu) if offload else None
+    for g in range(groups):
+        gpu.group(g)
+        gpu.learn(g, *kind(g, groups), None)
+        if cpu is not None:
+            cpu.group(g)
+    return gpu, cpu
+
+
+def run(
+    seconds: float, samples: int, offload: bool = False, groups: int = 1
+) -> tuple[list[tuple[float, float, float]], dict[str, int], float, float]:
+    gpu, cpu = media(groups, offload)
     # hashes are consecutive integers: the resident pools are windows [nxt - pool, nxt), so the
     # benchmark itself holds nothing per block and the RSS growth is the accounting's alone
     nxt = 1 << 62
     first = nxt
     total = int(seconds * RATE)
-    per_step = STEP * (2 if offload else 1)  # with a CPU tier, each step announces 2 x STEP
+    per_step = STEP * groups * (2 if offload else 1)  # every group announces the step's blocks
     steps = total // per_step
     every = max(steps // samples, 1)
     gc.collect()
@@ -80,20 +99,28 @@ def run(
         if i % 50 == 0 and back > first:
             new[0] = back_at[nxt] = back  # a block removed ~100,000 removals ago comes back
         nxt += STEP
-        m.store(new, ts, 16)
-        if cpu_m is not None:
-            cpu_m.store(new, ts, 0)
-            if nxt - first > 4 * POOL:
-                lo = nxt - 4 * POOL - STEP
-                cpu_m.remove(_slots(lo, back_at, last=True), ts, ts - 10.0)
-        if nxt - first > POOL:
-            lo = nxt - POOL - STEP
-            m.remove(_slots(lo, back_at, last=cpu_m is None), ts, ts - 10.0, lower)
+        cpu_out = nxt - first > 4 * POOL
+        gpu_out = nxt - first > POOL
+        for g in range(groups):
+            last = g == groups - 1
+            m = gpu.group(g)
+            m.store(new, ts, 16)
+            if cpu is not None:
+                c = cpu.group(g)
+                c.store(new, ts, 0)
+                if cpu_out:
+                    c.remove(_slots(nxt - 4 * POOL - STEP, back_at, last=last), ts, ts - 10.0)
+            if gpu_out:
+                lower = [cpu.group(g)] if cpu is not None and gpu.is_full(g) else []
+                m.remove(_slots(nxt - POOL - STEP, back_at, last=last and cpu is None), ts, ts - 10.0, lower)
         if i % every == 0 or i == steps - 1:
-            remembered = m.remembered + (cpu_m.remembered if cpu_m is not None else 0)
+            remembered = gpu.remembered + (cpu.remembered if cpu is not None else 0)
             curve.append((ts, rss_mib() - base, remembered))
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-    t = m.totals() + (cpu_m.totals() if cpu_m is not None else MediumTotals())
+    used, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    t = MediumTotals()
+    for mg in (gpu, cpu):
+        for g in mg.totals("") if mg is not None else []:
+            t = t + g.totals
     totals = {
         "stored": t.stored,
         "removed": t.removed,
@@ -102,11 +129,17 @@ def run(
         "stores_forgotten": t.stores_forgotten,
         "removals_forgotten": t.removals_forgotten,
     }
-    return curve, totals, cpu, wall
+    return curve, totals, used, wall
 
 
 def report(
-    seconds: float, curve: list[tuple[float, float, float]], totals: dict[str, int], cpu: float, offload: bool
+    seconds: float,
+    curve: list[tuple[float, float, float]],
+    totals: dict[str, int],
+    cpu: float,
+    offload: bool,
+    *,
+    groups: int = 1,
 ) -> str:
     cfg = EnginesConfig()
     media = (
@@ -115,8 +148,16 @@ def report(
         if offload
         else "one medium"
     )
+    if groups > 1:
+        media += (
+            f", {groups} KV cache groups each (a Gemma-3-style hybrid: {groups - 1} sliding-window groups and a "
+            "full-attention one, every block announced once per group; the full-attention group remembers as "
+            "much as a single group would, the others share one more such bound)"
+        )
+    title = " (GPU + CPU tier)" if offload else ""
+    title += f" ({groups} KV cache groups)" if groups > 1 else ""
     lines = [
-        "# KV event accounting memory under a 1M blocks/s stream" + (" (GPU + CPU tier)" if offload else ""),
+        "# KV event accounting memory under a 1M blocks/s stream" + title,
         "",
         f"Host: {platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, "
         f"Python {platform.python_version()}.",
@@ -135,7 +176,8 @@ def report(
     ]
     lines += [f"| {ts:.0f} | {mib:.1f} | {n:,} |" for ts, mib, n in curve]
     peak = max(mib for _, mib, _ in curve)
-    lines += ["", f"Peak RSS growth: {peak:.1f} MiB (bound: 64 MiB)."]
+    bound = "64 MiB" if groups == 1 else "128 MiB: twice one group's"
+    lines += ["", f"Peak RSS growth: {peak:.1f} MiB (bound: {bound})."]
     return "\n".join(lines) + "\n"
 
 
@@ -144,10 +186,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=600.0)
     ap.add_argument("--samples", type=int, default=12)
     ap.add_argument("--offload", action="store_true", help="a CPU tier beside the GPU pool")
+    ap.add_argument("--groups", type=int, default=1, help="KV cache groups (6: a Gemma-3-style hybrid)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    curve, totals, cpu, _wall = run(a.seconds, a.samples, a.offload)
-    text = report(a.seconds, curve, totals, cpu, a.offload)
+    curve, totals, cpu, _wall = run(a.seconds, a.samples, a.offload, a.groups)
+    text = report(a.seconds, curve, totals, cpu, a.offload, groups=a.groups)
     print(text)
     if a.out:
         a.out.write_text(text)

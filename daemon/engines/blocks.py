@@ -155,6 +155,10 @@ class MediumBlocks:
             known = max((m.knows(fps) for m in lower), default=0)
             self.dropped += len(fps) - min(known, len(fps))
 
+    def resize(self, max_stored: int, max_removed: int) -> None:
+        self._stored_at.resize(max_stored)
+        self._removed_at.resize(max_removed)
+
     def holds(self, h: Hash) -> bool:
         return self._stored_at.count([fingerprint(h)]) > 0
 

@@ -37,7 +37,7 @@ class MediumGroups:
     __slots__ = ("_offset", "_ref", "_ref_at", "bounds", "groups", "kinds", "like", "locality", "windows")
 
     def __init__(self, bounds: tuple[int, int], like: MediumGroups | None = None) -> None:
-        self.bounds = bounds  # per group: store times, removals remembered
+        self.bounds = bounds  # store times, removals remembered (``_rebalance``)
         # a tier below the GPU pool holds the same groups (its group_idx is the pool's) and says
         # nothing of their kinds (the offloading connector's placeholders): the pool's say it
         self.like = like
@@ -58,8 +58,19 @@ class MediumGroups:
                 g = self.groups.get(key)
             if g is None:
                 g = self.groups[key] = MediumBlocks(*self.bounds)
-                self.choose()
+                self.choose(force=True)
         return g
+
+    def _rebalance(self) -> None:
+        """The reference group remembers as much as a single-group medium would; the others share
+        one more such bound between them (a hybrid's window groups mirror each other, and their
+        blocks leave young by design): at most twice a single group's memory per medium."""
+        others = max(len(self.groups) - 1, 1)
+        for k, g in self.groups.items():
+            if k == self._ref:
+                g.resize(*self.bounds)
+            else:
+                g.resize(self.bounds[0] // others, self.bounds[1] // others)
 
     def learn(self, idx: int | None, kind: str | None, window: int | None, locality: str | None) -> bool:
         """What a BlockStored says of its group (and where the medium lives); True when it told a
@@ -84,16 +95,19 @@ class MediumGroups:
     def is_full(self, idx: int) -> bool:
         return self.kind(idx) in FULL_KINDS
 
-    def choose(self) -> None:
+    def choose(self, *, force: bool = False) -> None:
         """The reference: the lowest-index group of a whole-prefix kind, else the lowest."""
         idx = sorted(k for k in self.groups if k != OTHER_GROUP) or [OTHER_GROUP]
         ref = next((k for k in idx if self.is_full(k)), idx[0])
         if ref == self._ref:
+            if force:
+                self._rebalance()
             return
         if self._ref is not None:
             self._offset = self.logical()
         self._ref = ref
         self._ref_at = self.groups[ref].totals()
+        self._rebalance()
 
     @property
     def reference(self) -> int:

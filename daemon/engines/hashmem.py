@@ -48,6 +48,13 @@ class HashMemory:
         self._gen = 0
         self.forgotten = 0  # live entries dropped with their generation
 
+    def resize(self, capacity: int) -> None:
+        """A new bound; a smaller one forgets the oldest entries (counted) at once."""
+        self.capacity = capacity
+        self.open_limit = max(min(capacity // GENERATIONS, OPEN_MAX), 1)
+        if capacity > 0 and len(self) > capacity - self.open_limit:
+            self._seal()
+
     def __len__(self) -> int:
         """Live entries."""
         return len(self._open) + self._sealed_live
