@@ -29,6 +29,7 @@ ORDER = (
     "kv_events",
     "kv_memory",
     "kv_memory_offload",
+    "kv_memory_groups",
     "daemon_load",
     "detection",
     "soak",
@@ -41,6 +42,7 @@ TITLES = {
     "kv_events": "Engine KV event subscriber (bench/bench_kv_events.py)",
     "kv_memory": "KV event accounting memory at 1M blocks/s (bench/bench_kv_memory.py)",
     "kv_memory_offload": "KV event accounting memory at 1M blocks/s, GPU and CPU tier (bench/bench_kv_memory.py --offload)",
+    "kv_memory_groups": "KV event accounting memory at 1M blocks/s, six KV cache groups (bench/bench_kv_memory.py --groups 6)",
     "daemon_load": "The daemon at idle and under load (bench/bench_daemon_load.py)",
     "detection": "Detection latency (bench/bench_detection.py)",
     "soak": "Soak, 30 minutes (bench/soak.py; not run by bench/run.sh)",
@@ -180,11 +182,15 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
         ("daemon CPU, ~10k CUDA calls/s", f"{cell(load, 'CUDA', 1)} % of a core", "—"),
         ("daemon RSS", f"{cell(load, 'idle', 2)} MiB idle, {cell(load, '1,000,000', 2)} MiB loaded", "—"),
     ]
-    for name, what in (("kv_memory", "one medium"), ("kv_memory_offload", "GPU + CPU tier")):
+    for name, what, bound in (
+        ("kv_memory", "one medium", "< 64 MiB"),
+        ("kv_memory_offload", "GPU + CPU tier", "< 64 MiB"),
+        ("kv_memory_groups", "six KV cache groups", "< 128 MiB"),
+    ):
         m = re.search(r"^Stream time (\S+) s.*?Peak RSS growth: ([0-9.]+) MiB", res.get(name, ""), re.M | re.S)
         if m:
             out.append(
-                (f"KV accounting RSS growth, 1M blocks/s for {m.group(1)} s, {what}", f"{m.group(2)} MiB", "< 64 MiB")
+                (f"KV accounting RSS growth, 1M blocks/s for {m.group(1)} s, {what}", f"{m.group(2)} MiB", bound)
             )
     for r in det:
         if r and r[0].startswith(("KV", "Inference")):

@@ -8,9 +8,10 @@ command -v gcc >/dev/null || apt-get install -y -qq gcc >/dev/null
 .venv/bin/python bench/bench_cuda.py --rounds "${ROUNDS:-5}" --out bench/results/cuda.md
 .venv/bin/python bench/bench_live_cost.py --rounds "${ROUNDS:-5}" --out bench/results/live_cost.md
 .venv/bin/python bench/bench_transfer.py --rounds "${ROUNDS:-5}" --out bench/results/transfer.md
-.venv/bin/python bench/bench_kv_events.py --seconds "${KV_SECONDS:-10}" --out bench/results/kv_events.md
+.venv/bin/python bench/bench_kv_events.py --seconds "${KV_SECONDS:-10}" --groups 1,6 --out bench/results/kv_events.md
 .venv/bin/python bench/bench_kv_memory.py --seconds "${KV_MEMORY_SECONDS:-60}" --out bench/results/kv_memory.md
 .venv/bin/python bench/bench_kv_memory.py --offload --seconds "${KV_MEMORY_SECONDS:-600}" --samples 20 --out bench/results/kv_memory_offload.md
+.venv/bin/python bench/bench_kv_memory.py --groups 6 --seconds "${KV_MEMORY_SECONDS:-60}" --out bench/results/kv_memory_groups.md
 .venv/bin/python bench/bench_daemon_load.py --seconds "${LOAD_SECONDS:-20}" --out bench/results/daemon_load.md
 .venv/bin/python bench/bench_detection.py --out bench/results/detection.md
 # bench/soak.py (30 minutes) is run by hand: sudo .venv/bin/python bench/soak.py --minutes 30

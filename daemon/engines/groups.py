@@ -11,23 +11,14 @@ that holds a request's whole prefix (``FULL_KINDS``; one whose kind the engine h
 counts as one), else the lowest-index group (a model with sliding-window attention only). A
 single-group engine's logical counts are its only group's, as they always were. When a lower
 full-kind group appears later, the logical counts follow it from then on and stay monotonic.
-
-A BlockStored of the GPU medium without a parent whose last block the group still holds is not a
-store: it is vLLM announcing the blocks of a prefix-cache hit (a request asked for
-``kv_cache_report_mode="full"``; ``emit_cached_block_events``), counted as ``announced`` and
-changing nothing. Its blocks are the request's prefix from the first one on, and a group can
-only have served the hit if it holds the prefix's last block: a real first store (no hit) of a
-block already held would need a request that missed what the group holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.records import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
-from kvwatch.daemon.engines.wire import Hash
 
 MAX_GROUPS = 16  # per medium; more are counted together as OTHER_GROUP
 MAX_KIND_CHARS = 40
@@ -50,6 +41,9 @@ class MediumGroups:
         self._ref_at = MediumTotals()  # the reference's counts at that change
 
     def group(self, idx: int | None) -> MediumBlocks:
+        g = self.groups.get(0 if idx is None else idx)  # the per-event path: a known group
+        if g is not None:
+            return g
         key = idx if isinstance(idx, int) and idx >= 0 else 0
         g = self.groups.get(key)
         if g is None:
@@ -119,10 +113,6 @@ class MediumGroups:
         now = self.groups[self._ref].totals()
         return replace(self._offset + (now - self._ref_at), resident=now.resident)
 
-    def announces(self, hashes: Sequence[Hash], blocks: MediumBlocks) -> bool:
-        """A parentless store whose last block the group holds: a prefix-cache hit announced."""
-        return bool(hashes) and blocks.holds(hashes[-1])
-
     def totals(self, medium: str) -> list[GroupTotals]:
         ref = self.reference
         return [
@@ -135,10 +125,6 @@ class MediumGroups:
         if w is None and self.like is not None and idx not in self.kinds:
             return self.like.windows.get(idx)
         return w
-
-    @property
-    def stored(self) -> int:
-        return sum(g.stored for g in self.groups.values())
 
     @property
     def remembered(self) -> int:

@@ -5,6 +5,14 @@ Per medium and KV cache group (``groups.py``): blocks stored, removed, removed y
 stored again while held, announced, dropped on the way to the tier below (``blocks.py``). Per
 stream: batches, events, resets, blocks stored with extra keys, and every malformed message or
 event counted by kind. Offline users (the replay tools, the benchmarks) feed payloads straight in.
+
+A BlockStored of the GPU pool without a parent whose last block the group still holds is not a
+store: it is vLLM announcing the blocks of a prefix-cache hit (a request asked for
+``kv_cache_report_mode="full"``; ``emit_cached_block_events``), counted as ``announced`` and
+changing nothing. Its blocks are the request's prefix from the first one on (a sliding-window
+group's include blocks it no longer holds), and a group can only have served the hit if it holds
+the prefix's last block: a real first store (no hit) of a block already held would need a
+request that missed what the group holds.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from kvwatch.daemon.engines.wire import (
 )
 
 BLOCK_EVENTS = (*STORED, *REMOVED)
+LEARN_BATCHES = 64
 DEFAULT_MEDIUM = "GPU"  # events without a medium (vLLM ≤ 0.10) came from the GPU block pool
 MAX_MEDIA = 8
 
@@ -41,6 +50,9 @@ class StreamCounts:
         self.batches = self.events = self.cleared = 0
         self.errors: dict[str, int] = {}
         self.last_ts = 0.0
+        self._lowers: dict[int, list[MediumBlocks]] = {}  # per GPU group, within one batch
+        self._learning = LEARN_BATCHES  # batches left in which the groups a batch names are read first
+        self._named = 0  # media and groups known when learning last stopped
 
     def error(self, kind: str, n: int = 1) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + n
@@ -81,7 +93,9 @@ class StreamCounts:
         ts = batch.ts
         self.last_ts = max(self.last_ts, ts)
         young_before = ts - self.thrash_seconds
-        self._learn(batch.events)
+        if self._learning:
+            self._learn(batch.events)
+        self._lowers.clear()  # a tier's first store of the batch before makes it a target
         for ev in batch.events:
             if isinstance(ev, STORED):
                 self._store(ev, ts)
@@ -95,11 +109,16 @@ class StreamCounts:
                 for m in self.media.values():
                     m.drop_all()
         self._settle(ts)
+        if not self._learning and len(self.media) + sum(len(m.groups) for m in self.media.values()) != self._named:
+            self._learning = LEARN_BATCHES  # a group (or medium) showed up late
 
     def _learn(self, events: Sequence[Event]) -> None:
         """The groups a batch names, known before any of its blocks count (their reference settled
-        first); the tiers below the pool take its groups' kinds."""
+        first); the tiers below the pool take its groups' kinds. An engine names its groups in
+        its first batches (every request is cached in every group): once LEARN_BATCHES batches in
+        a row taught nothing, batches are no longer read twice, until a group or kind shows up."""
         learnt = False
+        groups = len(self.media) + sum(len(m.groups) for m in self.media.values())
         for ev in events:
             if isinstance(ev, BLOCK_EVENTS) and ev.group_idx is not None:
                 mg = self._medium(ev.medium)
@@ -110,16 +129,23 @@ class StreamCounts:
         if learnt:
             for m in self.media.values():
                 m.choose()
+        named = len(self.media) + sum(len(m.groups) for m in self.media.values())
+        self._learning = LEARN_BATCHES if learnt or named != groups else self._learning - 1
+        self._named = named
 
     def _store(self, ev: StoredEvent, ts: float) -> None:
         mg = self._medium(ev.medium)
         blocks = mg.group(ev.group_idx)
-        if ev.locality is not None:
-            mg.learn(ev.group_idx, None, None, ev.locality)
+        kind = ev.kv_cache_spec_kind
+        late = kind is not None and not self._learning and mg.kinds.get(ev.group_idx or 0) != kind
+        if (ev.locality is not None or late) and mg.learn(
+            ev.group_idx, kind, ev.kv_cache_spec_sliding_window, ev.locality
+        ):
+            self._learning = LEARN_BATCHES  # a kind told late (or changed): read batches first again
         hashes = ev.block_hashes
         nil = ev.parent_block_hash == NIL
-        if nil and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and mg.announces(hashes, blocks):
-            blocks.announce(len(hashes))
+        if nil and hashes and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and blocks.holds(hashes[-1]):
+            blocks.announce(len(hashes))  # a prefix-cache hit announced again, not a store
             return
         blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil)
         if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):
@@ -150,8 +176,16 @@ class StreamCounts:
         """For a GPU removal in a group that holds whole prefixes: the same group of the stream's
         other tiers, where they have stored blocks (the offload targets the block should have
         reached). A window-bounded group's blocks are offloaded by window, if at all: not judged."""
+        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM:
+            return []
         key = idx if isinstance(idx, int) and idx >= 0 else 0
-        if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM or not mg.is_full(key):
+        out = self._lowers.get(key)
+        if out is None:
+            out = self._lowers[key] = self._targets(mg, key)
+        return out
+
+    def _targets(self, mg: MediumGroups, key: int) -> list[MediumBlocks]:
+        if not mg.is_full(key):
             return []
         out = []
         for k, m in self.media.items():
