@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.groups import MediumGroups
-from kvwatch.daemon.engines.records import MediumTotals
+from kvwatch.daemon.engines.views import MediumTotals
 
 RATE = 1_000_000  # blocks per second of stream
 STEP = 32  # blocks stored (and removed) per event

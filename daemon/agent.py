@@ -18,29 +18,29 @@ import structlog
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.base import Finding, Subject
-from kvwatch.daemon.detectors.registry import build_detectors
+from kvwatch.daemon.detectors.registry import alert_names, build_detectors, lasting_alerts
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.audit import MetricAudit, audit_settings
 from kvwatch.daemon.engines.ledger import LossLedger
+from kvwatch.daemon.engines.losses import account_losses, account_oom
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.families.cost import SelfCost, account_self_cost, calibrate_in_background
 from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker, link_bytes_per_second, transfer_family
+from kvwatch.daemon.host.nvml import Nvml
+from kvwatch.daemon.host.procfs import ProcFS
+from kvwatch.daemon.host.psi import PressureReader
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.losses import account_losses, account_oom
-from kvwatch.daemon.nvml import Nvml
-from kvwatch.daemon.procfs import ProcFS
-from kvwatch.daemon.psi import PressureReader
 from kvwatch.daemon.publish import build_snapshot, process_labels
-from kvwatch.daemon.selfcost import SelfCost, account_self_cost, calibrate_in_background
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.bpf import release_compiler_memory
+from kvwatch.probes.canary import BpfStats, CanaryResult
 from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.memory import MemoryProbes
 from kvwatch.probes.records import TransferDone
-from kvwatch.probes.selfcost import BpfStats, CanaryResult
 from kvwatch.probes.transfer import TransferProbes
 
 log = structlog.get_logger("kvwatch.agent")
@@ -108,7 +108,9 @@ class Agent:
         if engines is not None:
             engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
-        self.alerts = AlertBook(default_sinks + list(sinks or []))
+        self.alerts = AlertBook(
+            default_sinks + list(sinks or []), alert_names(self.detectors), lasting_alerts(self.detectors)
+        )
         self._subscribers: list[_Subscriber] = []
         self._next_scan = 0.0
         self._tick = 0

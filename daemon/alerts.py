@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 from kvwatch.daemon.detectors.base import Finding
-from kvwatch.daemon.records import ALERT_NAMES, Alert
+from kvwatch.daemon.snapshot import Alert
 
 log = structlog.get_logger("kvwatch.alerts")
 
@@ -59,10 +59,13 @@ class LogSink:
 class AlertBook:
     """Active alerts and onset counts; notifies sinks exactly once per onset and per clear."""
 
-    def __init__(self, sinks: Iterable[AlertSink]) -> None:
+    def __init__(self, sinks: Iterable[AlertSink], names: Iterable[str] = (), lasting: Iterable[str] = ()) -> None:
+        """``names``: every alert the detectors raise (counted from zero); ``lasting``: those that
+        stay when their subject goes (``detectors/registry.py``)."""
         self.sinks = list(sinks)
         self.active: dict[tuple[str, str], Alert] = {}
-        self.fired: dict[str, int] = dict.fromkeys(ALERT_NAMES, 0)
+        self.fired: dict[str, int] = dict.fromkeys(names, 0)
+        self.lasting = frozenset(lasting)
         self.sink_errors = 0
         self.history: list[Alert] = []  # recent onsets and clears, bounded (for top/record)
 
@@ -112,9 +115,9 @@ class AlertBook:
         return changed
 
     def drop_subject(self, subject_key: str, wall_now: float) -> None:
-        """A subject went away (process exit): its alerts clear, except OOM kills."""
+        """A subject went away (process exit): its alerts clear, except those that outlive it."""
         for key in [k for k in self.active if k[1] == subject_key]:
-            if key[0] == "InferenceProcessOOMKilled":
+            if key[0] in self.lasting:
                 continue
             ended = replace(self.active.pop(key), ended_at=wall_now)
             self._remember(ended)

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 from kvwatch.daemon import logs
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.config_load import ConfigError, load_config
+from kvwatch.daemon.config.load import ConfigError, load_config
 from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.top import SORT_KEYS
 

@@ -11,9 +11,9 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.cgroups import CgroupIdentity, parse_cgroup
 from kvwatch.daemon.config import DiscoveryConfig, EngineEndpoint, EngineRule
-from kvwatch.daemon.procfs import (
+from kvwatch.daemon.host.cgroups import CgroupIdentity, parse_cgroup
+from kvwatch.daemon.host.procfs import (
     ProcAccessDenied,
     ProcError,
     ProcessGone,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvwatch.daemon.engines.records import LOST_BYTES, EngineView, LossTotal
+from kvwatch.daemon.engines.views import LOST_BYTES, EngineView, LossTotal
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.probes.cuda import CUDA_APIS

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import structlog
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
-from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
+from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.series import SeriesSet
 
 log = structlog.get_logger("kvwatch.tracker")

@@ -18,16 +18,16 @@ from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.alerts import AlertSink
 from kvwatch.daemon.config import Config, parse_listen
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.host.nvml import Nvml
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.nvml import Nvml
-from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.bpf import bcc_version
+from kvwatch.probes.canary import BpfStats, UprobeCanary
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
-from kvwatch.probes.selfcost import BpfStats, UprobeCanary
 from kvwatch.probes.transfer import TransferProbeOptions, TransferProbes
 
 log = structlog.get_logger("kvwatch")

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 from kvwatch.daemon.config import AlertmanagerConfig
-from kvwatch.daemon.records import Alert
+from kvwatch.daemon.snapshot import Alert
 
 log = structlog.get_logger("kvwatch.alertmanager")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvwatch.daemon.engines.records import StreamStats
+from kvwatch.daemon.engines.views import StreamStats
 from kvwatch.probes.records import BUCKET_BOUNDS, XferCounters
 
 
@@ -64,8 +64,3 @@ def link_utilization(effective_bytes_per_second: float, link_bytes_per_second: f
 def cache_resets(streams: Iterable[StreamStats]) -> int:
     """AllBlocksCleared events over the data-parallel ranks' streams."""
     return sum(x.cleared for x in streams)
-
-
-def fired_counts(known: Iterable[str], fired: Mapping[str, int]) -> list[tuple[str, int]]:
-    """Onsets per alert name: every known alert from zero, plus any other that fired, by name."""
-    return [(name, fired.get(name, 0)) for name in sorted(set(known) | set(fired))]

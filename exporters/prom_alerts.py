@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.records import ALERT_NAMES
 from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
-from kvwatch.exporters.prom_aggregates import fired_counts
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium")
@@ -43,6 +41,6 @@ def alertmanager_family(s: Snapshot) -> Iterator[Metric]:
 
 def fired_family(s: Snapshot) -> Iterator[Metric]:
     fired = CounterMetricFamily("kvwatch_alerts_fired", "alert onsets", labels=["alert"])
-    for name, n in fired_counts(ALERT_NAMES, s.alerts_fired):
+    for name, n in sorted(s.alerts_fired.items()):  # every alert the detectors raise, from zero
         fired.add_metric([name], n)
     yield fired

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.engines.records import (
+from kvwatch.daemon.engines.views import (
     REGRET_BUCKETS,
     EngineSample,
     EngineView,

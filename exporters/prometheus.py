@@ -18,11 +18,11 @@ from kvwatch.exporters import (
     prom_alerts,
     prom_audit,
     prom_cuda,
+    prom_engine_tiers,
     prom_engines,
     prom_losses,
     prom_memory,
     prom_selfcost,
-    prom_tiers,
     prom_transfers,
 )
 from prometheus_client.core import CollectorRegistry, Metric
@@ -62,7 +62,7 @@ class SnapshotCollector(Collector):
         yield from prom_transfers.transfer_families(s)
         yield from prom_engines.engine_families(s)
         yield from prom_losses.loss_families(s)
-        yield from prom_tiers.tier_families(s)
+        yield from prom_engine_tiers.tier_families(s)
         yield from prom_audit.audit_families(s)
         yield from prom_memory.tier_families(s)
         yield from prom_memory.oom_family(s)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from kvwatch.daemon.engines.records import LOST_BYTES
+from kvwatch.daemon.engines.views import LOST_BYTES
 
 if TYPE_CHECKING:
     from kvwatch.daemon.snapshot import ProcessView, Snapshot

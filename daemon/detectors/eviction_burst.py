@@ -60,8 +60,9 @@ from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject, threshold
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.engines.records import WINDOW_BOUNDED
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.engines.views import WINDOW_BOUNDED
 from kvwatch.daemon.series import SeriesSet
 
 ALERT = "KVEvictionBurst"
@@ -149,15 +150,14 @@ class _State:
     cause: str = ""
 
 
-class EvictionBurst:
+class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
     name = ALERT
 
-    def __init__(self, config: EvictionBurstConfig) -> None:
-        self.config = config
-        self._state: dict[str, _State] = {}
+    def new_state(self) -> _State:
+        return _State(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
 
-    def forget(self, subject_key: str) -> None:
-        self._state.pop(subject_key, None)
+    def applies(self, p: ProcessWindow) -> bool:
+        return bool(sources(p.series))
 
     def _medium_state(self, st: _State, medium: str) -> _Medium:
         m = st.media.get(medium)
@@ -209,21 +209,9 @@ class EvictionBurst:
             return "thrash"
         return "unexpected" if "kv_usage" in m else "unknown"
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        if not self.config.enabled:
-            return []
-        out: list[Finding] = []
-        for key, p in view.processes.items():
-            srcs = sources(p.series)
-            if srcs:
-                out.append(self._evaluate(key, p, srcs, view.now))
-        return out
-
-    def _evaluate(self, key: str, p: ProcessWindow, srcs: list[Source], now: float) -> Finding:
+    def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c = self.config
-        st = self._state.get(key)
-        if st is None:
-            st = self._state[key] = _State(Hysteresis(c.confirm_windows, c.clear_windows))
+        srcs = sources(p.series)
         s = p.series
         if s.delta("kv_cleared", max(c.window_seconds, 1.0)) > 0 or s.gauge("engine_sleeping") >= 1:
             st.quiet_until = now + c.quiet_after_reset_seconds

@@ -10,6 +10,7 @@ are counted by the probes and never alert here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvwatch.daemon.config import HostTierEvictionConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
@@ -28,6 +29,8 @@ class _TierState:
 
 class HostTierEviction:
     name = ALERT
+    alerts: ClassVar[tuple[str, ...]] = (ALERT,)
+    outlives_subject: ClassVar[bool] = False
 
     def __init__(self, config: HostTierEvictionConfig) -> None:
         self.config = config

@@ -17,7 +17,7 @@ from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.detectors.view import ProcessWindow
-from kvwatch.daemon.engines.records import AuditRow
+from kvwatch.daemon.engines.views import AuditRow
 
 ALERT = "KVEngineMetricDivergence"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvwatch.daemon.config import OOMConfig
 from kvwatch.daemon.detectors.base import Finding, Subject
@@ -20,6 +21,8 @@ class _Active:
 
 class OOMKilled:
     name = ALERT
+    alerts: ClassVar[tuple[str, ...]] = (ALERT,)
+    outlives_subject: ClassVar[bool] = True  # a kill is news after its process is gone: it expires by time only
 
     def __init__(self, config: OOMConfig) -> None:
         self.config = config

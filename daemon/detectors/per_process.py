@@ -19,9 +19,12 @@ S = TypeVar("S")
 
 class ProcessDetector(Generic[C, S]):
     """Judges every watched process that has all the series in ``needs``; subclasses give
-    ``name``, ``needs``, ``new_state`` and ``judge``."""
+    ``name``, ``needs``, ``new_state`` and ``judge`` (``judge_all`` where one process gives
+    findings of more than one alert: ``alerts`` names them all)."""
 
     name: str = ""
+    alerts: ClassVar[tuple[str, ...]] = ()  # every alert it can raise; () means (name,)
+    outlives_subject: ClassVar[bool] = False  # its alerts stay when their process exits
     needs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: C) -> None:
@@ -40,7 +43,7 @@ class ProcessDetector(Generic[C, S]):
                 st = self._state.get(key)
                 if st is None:
                     st = self._state[key] = self.new_state()
-                out.append(self.judge(key, st, p, view.now))
+                out += self.judge_all(key, st, p, view.now)
         return out
 
     def applies(self, p: ProcessWindow) -> bool:
@@ -52,3 +55,6 @@ class ProcessDetector(Generic[C, S]):
 
     def judge(self, key: str, st: S, p: ProcessWindow, now: float) -> Finding:
         raise NotImplementedError
+
+    def judge_all(self, key: str, st: S, p: ProcessWindow, now: float) -> list[Finding]:
+        return [self.judge(key, st, p, now)]

@@ -27,7 +27,9 @@ sliding-window groups' blocks too: a prefix the full-attention group still holds
 again when a window group lost its tail, and those window blocks come back as regrets. Blocks
 stored again while held, up to the window group's regrets in the window, are counted as
 evictions, not as a cache that does not serve. Blocks announced again for a prefix hit (vLLM's
-``kv_cache_report_mode`` full) are not stores at all (``engines/groups.py``).
+``kv_cache_report_mode`` full) are not stores at all (``engines/stream_counts.py``), as far as
+the engine's hit tokens in the window cover them: an engine that looks its prefixes up and
+always misses stores them again from the first block, in the same shape, without the hits.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ ALERT = "KVPrefixCacheIneffective"
 QUERIES, HITS = "engine_prefix_queries", "engine_prefix_hits"
 STORED, REGRETTED, RESTORED = "kv_stored_blocks:GPU", "kv_regretted_blocks:GPU", "kv_restored_blocks:GPU"
 WINDOW_REGRETTED = "kv_window_regretted_blocks:GPU"
+ANNOUNCED, ANNOUNCED_TOKENS = "kv_announced_blocks:GPU", "kv_announced_tokens:GPU"
 
 
 @dataclass(slots=True)
@@ -64,6 +67,11 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
         c, s, w = self.config, p.series, self.config.window_seconds
         queried, hits, stored = s.delta(QUERIES, w), s.delta(HITS, w), s.delta(STORED, w)
         restored, regretted = s.delta(RESTORED, w), s.delta(REGRETTED, w)
+        # held blocks stored again from a request's first block are hit announcements only as far
+        # as the engine's hits cover them; the rest were computed again: stored while held
+        ann, ann_tokens = s.delta(ANNOUNCED, w), s.delta(ANNOUNCED_TOKENS, w)
+        again = ann * max(0.0, 1.0 - hits / ann_tokens) if ann_tokens > 0 else 0.0
+        stored, restored = stored + again, restored + again
         window_lost = min(restored, s.delta(WINDOW_REGRETTED, w)) if WINDOW_REGRETTED in s.series else 0.0
         restored, regretted = restored - window_lost, regretted + window_lost
         ratio = hits / queried if queried > 0 else 0.0

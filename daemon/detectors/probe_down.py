@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.view import NodeView
@@ -25,6 +26,8 @@ class _Silence:
 
 class ProbeDown:
     name = ALERT
+    alerts: ClassVar[tuple[str, ...]] = (ALERT,)
+    outlives_subject: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._silence: dict[str, _Silence] = {}

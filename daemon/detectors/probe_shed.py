@@ -5,40 +5,47 @@ Firing while any family of the process is shed; the cause is the family."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvwatch.daemon.detectors.base import Finding, Subject
-from kvwatch.daemon.detectors.view import NodeView
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.families.cost import COST_RATIO
 from kvwatch.daemon.families.runner import UPROBES_SHED
-from kvwatch.daemon.selfcost import COST_RATIO
 
 ALERT = "KVWatchProbeShed"
 
 
-class ProbeShed:
+@dataclass(slots=True)
+class _Always:
+    enabled: bool = True  # no section of its own: the budget's (self_cost) decides what is shed
+
+
+class ProbeShed(ProcessDetector[_Always, None]):
     name = ALERT
 
-    def forget(self, subject_key: str) -> None:
-        pass
+    def __init__(self) -> None:
+        super().__init__(_Always())
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        out = []
-        for key, p in view.processes.items():
-            gauges = p.series.gauges
-            families = sorted(k.removeprefix(UPROBES_SHED) for k in gauges if k.startswith(UPROBES_SHED))
-            if not families:
-                continue
-            shed = [f for f in families if gauges.get(f"{UPROBES_SHED}{f}")]
-            ratio = gauges.get(COST_RATIO)
-            out.append(
-                Finding(
-                    alert=ALERT,
-                    subject=Subject(key, p.subject.labels),
-                    firing=bool(shed),
-                    cause=shed[0] if shed else "",
-                    values={COST_RATIO: ratio} if ratio is not None else {},
-                    summary=f"pid {p.subject.labels.get('pid', '?')}: "
-                    + (f"{', '.join(shed)} uprobes detached, over the cost budget" if shed else "uprobes attached")
-                    + (f" (last measured {ratio:.1%} of its CPU)" if ratio is not None else ""),
-                    severity="warning",
-                )
-            )
-        return out
+    def applies(self, p: ProcessWindow) -> bool:
+        return any(k.startswith(UPROBES_SHED) for k in p.series.gauges)
+
+    def new_state(self) -> None:
+        return None
+
+    def judge(self, key: str, st: None, p: ProcessWindow, now: float) -> Finding:
+        gauges = p.series.gauges
+        families = sorted(k.removeprefix(UPROBES_SHED) for k in gauges if k.startswith(UPROBES_SHED))
+        shed = [f for f in families if gauges.get(f"{UPROBES_SHED}{f}")]
+        ratio = gauges.get(COST_RATIO)
+        return Finding(
+            alert=ALERT,
+            subject=Subject(key, p.subject.labels),
+            firing=bool(shed),
+            cause=shed[0] if shed else "",
+            values={COST_RATIO: ratio} if ratio is not None else {},
+            summary=f"pid {p.subject.labels.get('pid', '?')}: "
+            + (f"{', '.join(shed)} uprobes detached, over the cost budget" if shed else "uprobes attached")
+            + (f" (last measured {ratio:.1%} of its CPU)" if ratio is not None else ""),
+            severity="warning",
+        )

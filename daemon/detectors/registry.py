@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable
+from typing import ClassVar, Protocol
 
 from kvwatch.daemon.config import DetectorsConfig
 from kvwatch.daemon.detectors.base import Finding
@@ -23,6 +24,8 @@ class Detector(Protocol):
     """A pure function of the view and its own state: findings for every subject it judges."""
 
     name: str
+    alerts: ClassVar[tuple[str, ...]]  # every alert it raises (() on a ProcessDetector: its name alone)
+    outlives_subject: ClassVar[bool]  # its alerts stay active when their subject is gone
 
     def evaluate(self, view: NodeView) -> list[Finding]: ...
 
@@ -42,3 +45,13 @@ def build_detectors(config: DetectorsConfig, link_bytes_per_second: float) -> li
         ProbeDown(),
         ProbeShed(),
     ]
+
+
+def alert_names(detectors: Iterable[Detector]) -> tuple[str, ...]:
+    """Every alert the detectors raise, in their order: what the alert book counts from zero."""
+    return tuple(n for d in detectors for n in (d.alerts or (d.name,)))
+
+
+def lasting_alerts(detectors: Iterable[Detector]) -> frozenset[str]:
+    """Alerts that stay when their subject (a process) is gone."""
+    return frozenset(n for d in detectors if d.outlives_subject for n in (d.alerts or (d.name,)))

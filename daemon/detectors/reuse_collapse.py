@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
 
 ALERT = "KVCacheReuseCollapse"
 GROWTH = "CUDAMemoryGrowth"
@@ -56,26 +58,18 @@ class _State:
     cause: str = ""
 
 
-class ReuseCollapse:
+class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
     name = ALERT
+    alerts: ClassVar[tuple[str, ...]] = (ALERT, GROWTH)
+    needs = ("cuda_alloc_calls",)  # a CUDA process, attached
 
-    def __init__(self, config: ReuseCollapseConfig) -> None:
-        self.config = config
-        self._state: dict[str, _State] = {}
-
-    def forget(self, subject_key: str) -> None:
-        self._state.pop(subject_key, None)
-
-    def _state_for(self, key: str) -> _State:
-        st = self._state.get(key)
-        if st is None:
-            c = self.config
-            st = self._state[key] = _State(
-                Baseline(c.baseline_half_life_seconds),
-                Hysteresis(c.confirm_windows, c.clear_windows),
-                Hysteresis(c.confirm_windows, c.clear_windows),
-            )
-        return st
+    def new_state(self) -> _State:
+        c = self.config
+        return _State(
+            Baseline(c.baseline_half_life_seconds),
+            Hysteresis(c.confirm_windows, c.clear_windows),
+            Hysteresis(c.confirm_windows, c.clear_windows),
+        )
 
     def measure(self, p: ProcessWindow) -> dict[str, float]:
         w = self.config.window_seconds
@@ -140,68 +134,58 @@ class ReuseCollapse:
             st.warm_since = now
         return now - st.warm_since >= c.baseline_min_seconds
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        if not self.config.enabled:
-            return []
+    def judge_all(self, key: str, st: _State, p: ProcessWindow, now: float) -> list[Finding]:
         c = self.config
-        out: list[Finding] = []
-        for key, p in view.processes.items():
-            if "cuda_alloc_calls" not in p.series.series:
-                continue  # not a CUDA process (or not attached yet)
-            st = self._state_for(key)
-            m = self.measure(p)
-            rate = m["alloc_calls_per_second"]
-            limit = threshold(st.baseline.value, c.factor, c.floor_calls_per_second)
-            ready = self.warm(p, st, view.now)
-            churning = self.churn(m)
-            hot = ready and rate >= limit and churning
-            cool = rate < limit / 2
-            firing, changed = st.hysteresis.step(hot, cool, view.now)
-            growing = ready and rate >= limit and not churning and m["net_bytes_per_second"] > 0
-            grow_firing, _ = st.growth.step(growing, not growing, view.now)
-            if firing or grow_firing or hot or growing:
-                st.baseline.hold(view.now)  # the baseline learns only what is normal
-            elif st.warm_since is not None:
-                st.baseline.update(rate, view.now)
-            if firing and changed:
-                st.cause = self.cause(m, p.environ)
-            conf = allocator_settings(p.environ)
-            values = {
-                **m,
-                "baseline_calls_per_second": st.baseline.value,
-                "threshold_calls_per_second": limit,
-                "ratio_to_baseline": rate / st.baseline.value if st.baseline.value > 0 else 0.0,
-            }
-            backend = conf.get("backend", "native")
-            out.append(
-                Finding(
-                    alert=ALERT,
-                    subject=p.subject,
-                    firing=firing,
-                    cause=st.cause if firing else "",
-                    values=values,
-                    summary=(
-                        f"CUDA allocator of pid {p.subject.labels.get('pid', '?')} making {rate:.0f} "
-                        f"segment allocations/s (baseline {st.baseline.value:.1f}/s, "
-                        f"threshold {limit:.0f}/s) "
-                        f"while memory churns; frees {m['free_calls_per_second']:.0f}/s, "
-                        f"{m['failures']:.0f} failed, allocator backend {backend}"
-                    ),
-                    severity="warning",
-                )
-            )
-            out.append(
-                Finding(
-                    alert=GROWTH,
-                    subject=p.subject,
-                    firing=grow_firing,
-                    cause="leak" if grow_firing else "",
-                    values=values,
-                    summary=(
-                        f"GPU memory of pid {p.subject.labels.get('pid', '?')} growing "
-                        f"{m['net_bytes_per_second'] / MIB:.0f} MiB/s at {rate:.0f} allocations/s"
-                    ),
-                    severity="warning",
-                )
-            )
-        return out
+        m = self.measure(p)
+        rate = m["alloc_calls_per_second"]
+        limit = threshold(st.baseline.value, c.factor, c.floor_calls_per_second)
+        ready = self.warm(p, st, now)
+        churning = self.churn(m)
+        hot = ready and rate >= limit and churning
+        cool = rate < limit / 2
+        firing, changed = st.hysteresis.step(hot, cool, now)
+        growing = ready and rate >= limit and not churning and m["net_bytes_per_second"] > 0
+        grow_firing, _ = st.growth.step(growing, not growing, now)
+        if firing or grow_firing or hot or growing:
+            st.baseline.hold(now)  # the baseline learns only what is normal
+        elif st.warm_since is not None:
+            st.baseline.update(rate, now)
+        if firing and changed:
+            st.cause = self.cause(m, p.environ)
+        conf = allocator_settings(p.environ)
+        values = {
+            **m,
+            "baseline_calls_per_second": st.baseline.value,
+            "threshold_calls_per_second": limit,
+            "ratio_to_baseline": rate / st.baseline.value if st.baseline.value > 0 else 0.0,
+        }
+        backend = conf.get("backend", "native")
+        return [
+            Finding(
+                alert=ALERT,
+                subject=p.subject,
+                firing=firing,
+                cause=st.cause if firing else "",
+                values=values,
+                summary=(
+                    f"CUDA allocator of pid {p.subject.labels.get('pid', '?')} making {rate:.0f} "
+                    f"segment allocations/s (baseline {st.baseline.value:.1f}/s, "
+                    f"threshold {limit:.0f}/s) "
+                    f"while memory churns; frees {m['free_calls_per_second']:.0f}/s, "
+                    f"{m['failures']:.0f} failed, allocator backend {backend}"
+                ),
+                severity="warning",
+            ),
+            Finding(
+                alert=GROWTH,
+                subject=p.subject,
+                firing=grow_firing,
+                cause="leak" if grow_firing else "",
+                values=values,
+                summary=(
+                    f"GPU memory of pid {p.subject.labels.get('pid', '?')} growing "
+                    f"{m['net_bytes_per_second'] / MIB:.0f} MiB/s at {rate:.0f} allocations/s"
+                ),
+                severity="warning",
+            ),
+        ]

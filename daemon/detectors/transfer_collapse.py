@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from kvwatch.daemon.config import TransferCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
 
 ALERT = "KVTransferBandwidthCollapse"
 MB = 1e6
@@ -29,26 +30,18 @@ class _State:
     learning_since: float | None = None
 
 
-class TransferCollapse:
+class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
     name = ALERT
+    needs = ("nixl_posts",)
 
     def __init__(self, config: TransferCollapseConfig, link_bytes_per_second: float = 0.0) -> None:
-        self.config = config
+        super().__init__(config)
         self.link = link_bytes_per_second
-        self._state: dict[str, _State] = {}
 
-    def forget(self, subject_key: str) -> None:
-        self._state.pop(subject_key, None)
-
-    def _state_for(self, key: str) -> _State:
-        st = self._state.get(key)
-        if st is None:
-            c = self.config
-            h = c.baseline_half_life_seconds
-            st = self._state[key] = _State(
-                Baseline(h), Baseline(h), Baseline(h), Hysteresis(c.confirm_windows, c.clear_windows)
-            )
-        return st
+    def new_state(self) -> _State:
+        c = self.config
+        h = c.baseline_half_life_seconds
+        return _State(Baseline(h), Baseline(h), Baseline(h), Hysteresis(c.confirm_windows, c.clear_windows))
 
     def measure(self, p: ProcessWindow) -> dict[str, float]:
         """Over the window: transfers completed, plus those still in flight (their bytes over
@@ -70,59 +63,49 @@ class TransferCollapse:
             out["link_utilization"] = out["effective_bytes_per_second"] / self.link
         return out
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
-        if not self.config.enabled:
-            return []
+    def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c = self.config
-        out: list[Finding] = []
-        for key, p in view.processes.items():
-            if "nixl_posts" not in p.series.series:
-                continue
-            st = self._state_for(key)
-            m = self.measure(p)
-            bw = m["effective_bytes_per_second"]
-            evidence = m["transfers_completed"] + m["transfers_in_flight"] >= c.min_transfers
-            if evidence and st.learning_since is None and p.age >= c.warmup_seconds:
-                st.learning_since = view.now
-            warm = st.learning_since is not None and view.now - st.learning_since >= c.baseline_min_seconds
-            limit = c.fraction * st.bandwidth.value
-            demand = m["posts_per_second"] >= c.demand_fraction * st.posts.value or (
-                m["concurrency"] >= st.concurrency.value
-            )
-            hot = warm and evidence and bw < limit and demand
-            # Too few completions to judge is not recovery: slow transfers complete rarely.
-            # The alert clears on good bandwidth again, or when transfers stopped altogether.
-            idle = m["posts_per_second"] == 0 and m["transfers_completed"] == 0 and m["transfers_in_flight"] == 0
-            cool = (evidence and bw >= 2 * limit) or idle
-            firing, _changed = st.hysteresis.step(hot, cool, view.now)
-            if firing or hot or not evidence:
-                for b in (st.bandwidth, st.posts, st.concurrency):
-                    b.hold(view.now)
-            elif st.learning_since is not None:
-                st.bandwidth.update(bw, view.now)
-                st.posts.update(m["posts_per_second"], view.now)
-                st.concurrency.update(m["concurrency"], view.now)
-            values = {
-                **m,
-                "baseline_bytes_per_second": st.bandwidth.value,
-                "threshold_bytes_per_second": limit,
-                "baseline_posts_per_second": st.posts.value,
-                "ratio_to_baseline": bw / st.bandwidth.value if st.bandwidth.value > 0 else 0.0,
-            }
-            link = f", {m['link_utilization']:.0%} of the link" if "link_utilization" in m else ""
-            out.append(
-                Finding(
-                    alert=ALERT,
-                    subject=p.subject,
-                    firing=firing,
-                    cause="bandwidth" if firing else "",
-                    values=values,
-                    summary=(
-                        f"KV transfers of pid {p.subject.labels.get('pid', '?')} at {bw / MB:.1f} MB/s effective "
-                        f"(baseline {st.bandwidth.value / MB:.1f} MB/s{link}) with {m['posts_per_second']:.1f} "
-                        f"posts/s and {m['concurrency']:.1f} in flight"
-                    ),
-                    severity="warning",
-                )
-            )
-        return out
+        m = self.measure(p)
+        bw = m["effective_bytes_per_second"]
+        evidence = m["transfers_completed"] + m["transfers_in_flight"] >= c.min_transfers
+        if evidence and st.learning_since is None and p.age >= c.warmup_seconds:
+            st.learning_since = now
+        warm = st.learning_since is not None and now - st.learning_since >= c.baseline_min_seconds
+        limit = c.fraction * st.bandwidth.value
+        demand = m["posts_per_second"] >= c.demand_fraction * st.posts.value or (
+            m["concurrency"] >= st.concurrency.value
+        )
+        hot = warm and evidence and bw < limit and demand
+        # Too few completions to judge is not recovery: slow transfers complete rarely.
+        # The alert clears on good bandwidth again, or when transfers stopped altogether.
+        idle = m["posts_per_second"] == 0 and m["transfers_completed"] == 0 and m["transfers_in_flight"] == 0
+        cool = (evidence and bw >= 2 * limit) or idle
+        firing, _changed = st.hysteresis.step(hot, cool, now)
+        if firing or hot or not evidence:
+            for b in (st.bandwidth, st.posts, st.concurrency):
+                b.hold(now)
+        elif st.learning_since is not None:
+            st.bandwidth.update(bw, now)
+            st.posts.update(m["posts_per_second"], now)
+            st.concurrency.update(m["concurrency"], now)
+        values = {
+            **m,
+            "baseline_bytes_per_second": st.bandwidth.value,
+            "threshold_bytes_per_second": limit,
+            "baseline_posts_per_second": st.posts.value,
+            "ratio_to_baseline": bw / st.bandwidth.value if st.bandwidth.value > 0 else 0.0,
+        }
+        link = f", {m['link_utilization']:.0%} of the link" if "link_utilization" in m else ""
+        return Finding(
+            alert=ALERT,
+            subject=p.subject,
+            firing=firing,
+            cause="bandwidth" if firing else "",
+            values=values,
+            summary=(
+                f"KV transfers of pid {p.subject.labels.get('pid', '?')} at {bw / MB:.1f} MB/s effective "
+                f"(baseline {st.bandwidth.value / MB:.1f} MB/s{link}) with {m['posts_per_second']:.1f} "
+                f"posts/s and {m['concurrency']:.1f} in flight"
+            ),
+            severity="warning",
+        )

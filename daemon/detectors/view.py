@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.detectors.base import Subject
-from kvwatch.daemon.engines.records import AuditRow
+from kvwatch.daemon.engines.views import AuditRow
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.probes.records import HookStatus
 

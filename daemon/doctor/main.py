@@ -22,9 +22,9 @@ from kvwatch.daemon.doctor.cuda import cuda_canaries
 from kvwatch.daemon.doctor.engines import engine_canaries
 from kvwatch.daemon.doctor.selfcost import self_cost_checks
 from kvwatch.daemon.doctor.transfer import transfer_canaries
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, Workload, drop_file_cache, make_files, read_files
-from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.wiring import memory_options
 from kvwatch.probes import tracefs
 from kvwatch.probes.memory import MemoryProbes, kernel_dev

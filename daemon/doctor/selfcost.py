@@ -13,12 +13,12 @@ from pathlib import Path
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.doctor.checks import FAIL, OK, SKIP, WARN, Check
 from kvwatch.daemon.doctor.cuda import find_cuda_runtime
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.lab.stublib import StubBuildError, build
 from kvwatch.daemon.lab.workloads import Workload
-from kvwatch.daemon.procfs import ProcFS
+from kvwatch.probes.canary import BpfStats, CanaryResult, UprobeCanary
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.errors import ProbeError
-from kvwatch.probes.selfcost import BpfStats, CanaryResult, UprobeCanary
 
 DRILL_CALLS = 23
 SPIN_SECONDS = 1.0

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.engines.records import PHYSICAL_STORED, AuditRow
+from kvwatch.daemon.engines.views import PHYSICAL_STORED, AuditRow
 from kvwatch.daemon.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges

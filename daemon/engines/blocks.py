@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from math import copysign
 
 from kvwatch.daemon.engines.hashmem import HashMemory, fingerprint
-from kvwatch.daemon.engines.records import REGRET_BUCKETS, MediumTotals
+from kvwatch.daemon.engines.views import REGRET_BUCKETS, MediumTotals
 from kvwatch.daemon.engines.wire import Hash
 
 OFFLOAD_SETTLE_SECONDS = 5.0  # engine time a GPU removal waits for its offload's announcement
@@ -51,6 +51,7 @@ class MediumBlocks:
         "_removed_at",
         "_stored_at",
         "announced",
+        "announced_tokens",
         "cleared",
         "dropped",
         "regret_seconds",
@@ -69,6 +70,7 @@ class MediumBlocks:
         self.cleared = 0  # resident when an AllBlocksCleared dropped them
         self.dropped = 0  # removed without a lower tier ever holding them
         self.announced = 0  # held blocks announced again (prefix-cache hits): nothing changes
+        self.announced_tokens = 0  # block_size x each of those
         self.regret_seconds = 0.0
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
@@ -162,8 +164,9 @@ class MediumBlocks:
     def holds(self, h: Hash) -> bool:
         return self._stored_at.count([fingerprint(h)]) > 0
 
-    def announce(self, n: int) -> None:
+    def announce(self, n: int, block_size: int) -> None:
         self.announced += n
+        self.announced_tokens += n * block_size
 
     def knows(self, fps: Sequence[int]) -> int:
         """How many of the hash fingerprints this medium holds or has removed (as far as it
@@ -209,6 +212,7 @@ class MediumBlocks:
             stores_forgotten=self._stored_at.forgotten,
             removals_forgotten=self._removed_at.forgotten,
             announced=self.announced,
+            announced_tokens=self.announced_tokens,
         )
 
 

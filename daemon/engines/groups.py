@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
-from kvwatch.daemon.engines.records import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
+from kvwatch.daemon.engines.views import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
 
 MAX_GROUPS = 16  # per medium; more are counted together as OTHER_GROUP
 MAX_KIND_CHARS = 40

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import structlog
 import zmq
-from kvwatch.daemon.engines.records import StreamSpec, StreamStats
 from kvwatch.daemon.engines.stream_counts import StreamCounts
+from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import WireError, parse_frames, parse_replay, replay_request
 from zmq.utils.monitor import recv_monitor_message
 

@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvwatch.daemon.engines.records import EngineSample, GroupTotals, LossTotal, StreamStats
+from kvwatch.daemon.engines.views import EngineSample, GroupTotals, LossTotal, StreamStats
 
 GPU = "GPU"
 LOWER_TIER = "cpu"  # where a GPU block that was never offloaded should have gone

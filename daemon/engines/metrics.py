@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
-from kvwatch.daemon.engines.records import EngineSample, ScrapeTarget, TargetState
 from kvwatch.daemon.engines.tiers import read_tiers, wanted
+from kvwatch.daemon.engines.views import EngineSample, ScrapeTarget, TargetState
 from prometheus_client.parser import text_string_to_metric_families
 
 log = structlog.get_logger("kvwatch.engine_metrics")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvwatch.daemon.procfs import ProcError, ProcFS
+from kvwatch.daemon.host.procfs import ProcError, ProcFS
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}  # noqa: S104 - names of "all interfaces", matched not bound
 _LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|localhost|::1|\[::1\])$")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MediumGroups
-from kvwatch.daemon.engines.records import StreamSpec, StreamStats
+from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
     NIL,
@@ -145,7 +145,7 @@ class StreamCounts:
         hashes = ev.block_hashes
         nil = ev.parent_block_hash == NIL
         if nil and hashes and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and blocks.holds(hashes[-1]):
-            blocks.announce(len(hashes))  # a prefix-cache hit announced again, not a store
+            blocks.announce(len(hashes), ev.block_size)  # a prefix-cache hit announced again, not a store
             return
         blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil)
         if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):

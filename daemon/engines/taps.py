@@ -19,7 +19,7 @@ from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
-from kvwatch.daemon.engines.records import (
+from kvwatch.daemon.engines.views import (
     PHYSICAL_STORED,
     TIER_SERIES,
     WINDOW_BOUNDED,
@@ -34,8 +34,8 @@ from kvwatch.daemon.engines.records import (
     TargetState,
     TierReading,
 )
+from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.tracker import Tracked
 
 log = structlog.get_logger("kvwatch.engine_taps")
@@ -78,6 +78,7 @@ def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dic
             add(f"kv_regretted_blocks:{medium}", m.regretted)
             add(f"kv_restored_blocks:{medium}", m.restored)
             add(f"kv_announced_blocks:{medium}", m.announced)
+            add(f"kv_announced_tokens:{medium}", m.announced_tokens)
         window_group: dict[str, GroupTotals] = {}
         for g in s.groups:  # physical: every group's blocks
             add(f"{PHYSICAL_STORED}{g.medium}", g.totals.stored)

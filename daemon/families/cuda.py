@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import structlog
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.families.attachments import Attached, FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
-from kvwatch.daemon.families.tracking import Attached, FamilyTracker
+from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.procfs import ProcessIdentity
 from kvwatch.probes.cuda import AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
 from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 

@@ -16,10 +16,10 @@ from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.view import OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import DiscoveredProcess
-from kvwatch.daemon.kvtiers import KVTierRegistry, Tier
+from kvwatch.daemon.families.kv_files import KVTierRegistry, Tier
+from kvwatch.daemon.families.oom import oom_event
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.oom_events import oom_event
-from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.errors import ProbeError

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-from kvwatch.daemon.families.tracking import FamilyTracker
+from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.errors import ProbeError

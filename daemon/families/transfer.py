@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
-from kvwatch.daemon.families.tracking import FamilyTracker
+from kvwatch.daemon.host.procfs import ProcError, ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.procfs import ProcError, ProcFS
 from kvwatch.probes.records import TransferDone
 from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferProbes
 

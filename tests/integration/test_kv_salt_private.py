@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.records import EnginePlan, EngineView
+from kvwatch.daemon.engines.views import EnginePlan, EngineView
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.exporters.record import TraceRecorder
 

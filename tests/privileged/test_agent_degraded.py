@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwatch.daemon.agent import Agent
-from kvwatch.daemon.config_load import load_config
-from kvwatch.daemon.procfs import ProcFS
+from kvwatch.daemon.config.load import load_config
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.wiring import memory_options
 from kvwatch.probes.memory import HOOKS, MemoryProbes
 from kvwatch.probes.tracefs import tracefs_root

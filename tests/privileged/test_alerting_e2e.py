@@ -216,12 +216,12 @@ def test_promtool_on_the_real_exposition_and_the_shipped_rules(tmp_path: Path) -
 
 
 def test_every_alert_name_has_a_rule_and_a_runbook_section() -> None:
-    from kvwatch.daemon.detectors.reuse_collapse import GROWTH
-    from kvwatch.daemon.records import ALERT_NAMES
+    from kvwatch.daemon.config import DetectorsConfig
+    from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 
     rules = RULES.read_text()
     runbook = (REPO / "docs" / "runbook.md").read_text()
-    for name in (*ALERT_NAMES, GROWTH):
+    for name in alert_names(build_detectors(DetectorsConfig(), 0.0)):
         assert f"- alert: {name}\n" in rules, name
         assert f"\n## {name}\n" in runbook, name
         assert f"runbook.md#{name.lower()}" in rules, name

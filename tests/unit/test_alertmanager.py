@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from kvwatch.daemon.config import AlertmanagerConfig
-from kvwatch.daemon.records import Alert
+from kvwatch.daemon.snapshot import Alert
 from kvwatch.exporters.alertmanager import AlertmanagerSink
 
 from tests.fakes import recording_server

@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"daemon": "kvwatch.daemon", "probes": "kvwatch.probes", "exporters": "kvwatch.exporters"}
-RECORDS = {"kvwatch.daemon.records", "kvwatch.daemon.engines.records", "kvwatch.probes.records"}
+RECORDS = {"kvwatch.daemon.engines.views", "kvwatch.probes.records"}
 LAB = "kvwatch.daemon.lab"
 
 
@@ -155,7 +155,7 @@ def test_proc_and_sys_are_read_through_procfs_only() -> None:
     """A path literal under /proc or /sys in the daemon or the exporters (outside the lab's
     workloads) names a read that bypasses ``ProcFS`` and its one root. The probes keep their
     own: tracefs, and kvwatch's own /proc/self for its BPF programs' bookkeeping."""
-    allowed = {"kvwatch.daemon.procfs", "kvwatch.daemon.config"}  # the root itself, and its default
+    allowed = {"kvwatch.daemon.host.procfs", "kvwatch.daemon.config"}  # the root itself, and its default
     bad = []
     for name, path in MODULES.items():
         if name.startswith(("kvwatch.probes", LAB)) or name in allowed:

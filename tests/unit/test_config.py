@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from kvwatch.daemon.cli import build_parser, config_from_args, main
 from kvwatch.daemon.config import parse_listen
-from kvwatch.daemon.config_load import ConfigError, load_config
+from kvwatch.daemon.config.load import ConfigError, load_config
 
 
 def test_defaults_without_file(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kvwatch.daemon.config_load import load_config
+from kvwatch.daemon.config.load import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

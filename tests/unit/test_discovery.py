@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwatch.daemon.cgroups import parse_cgroup
 from kvwatch.daemon.config import DiscoveryConfig, EngineRule
 from kvwatch.daemon.discovery import Discovery, disagg_role
-from kvwatch.daemon.procfs import ProcessGone, ProcFS
+from kvwatch.daemon.host.cgroups import parse_cgroup
+from kvwatch.daemon.host.procfs import ProcessGone, ProcFS
 
 from tests.procfixture import FakeProc, make_proc
 

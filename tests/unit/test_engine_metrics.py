@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import pytest
 from kvwatch.daemon.engines.metrics import EngineScraper, parse_exposition
-from kvwatch.daemon.engines.records import EngineSample, ScrapeTarget
+from kvwatch.daemon.engines.views import EngineSample, ScrapeTarget
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 

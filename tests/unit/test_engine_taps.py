@@ -12,8 +12,8 @@ from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, plan_from_cmdline
 from kvwatch.daemon.engines.reach import Reach, local_ipv4
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.procfs import ProcFS
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.tracker import Tracked
 
@@ -222,7 +222,7 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
 
 
 def test_endpoint_config_errors_all_named() -> None:
-    from kvwatch.daemon.config_load import ConfigError, load_config
+    from kvwatch.daemon.config.load import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(
@@ -301,7 +301,7 @@ class _Sleeping(_Recorder):
         self.at = 0.0
 
     def states(self) -> dict[Any, Any]:
-        from kvwatch.daemon.engines.records import EngineSample, TargetState
+        from kvwatch.daemon.engines.views import EngineSample, TargetState
 
         return {t: TargetState(t, 1, {}, EngineSample(at=self.at, sleeping=True)) for t in self.targets}
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.engines.records import EnginePlan, EngineView, TierReading
+from kvwatch.daemon.engines.views import EnginePlan, EngineView, TierReading
 from kvwatch.daemon.snapshot import ProcessView, Snapshot
-from kvwatch.exporters.prom_tiers import tier_families
+from kvwatch.exporters.prom_engine_tiers import tier_families
 
 from tests.tools.engine_metrics_fixtures import TIER_VALUES
 

@@ -106,7 +106,7 @@ class Run:
 
     @property
     def onsets(self) -> int:
-        return self.book.fired["KVEvictionBurst"]
+        return self.book.fired.get("KVEvictionBurst", 0)
 
 
 def warm(r: Run) -> None:

@@ -15,7 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.engines.records import (
+from kvwatch.daemon.config import DetectorsConfig
+from kvwatch.daemon.detectors.registry import alert_names, build_detectors
+from kvwatch.daemon.engines.views import (
     AuditRow,
     EnginePlan,
     EngineSample,
@@ -30,8 +32,18 @@ from kvwatch.daemon.engines.records import (
     TierReading,
 )
 from kvwatch.daemon.publish import CUDA_API_CLASSES
-from kvwatch.daemon.records import Alert, FamilyCost, ProgramRuns, SelfCostView
-from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
+from kvwatch.daemon.snapshot import (
+    Alert,
+    CudaView,
+    FamilyCost,
+    ProbeView,
+    ProcessView,
+    ProgramRuns,
+    SelfCostView,
+    Snapshot,
+    TierView,
+    TransferView,
+)
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.records import ApiCounters, XferCounters
@@ -318,7 +330,11 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 summary="s",
             ),
         ),
-        alerts_fired={"KVHostTierEvictionUnderPressure": 1, "InferenceProcessOOMKilled": 2},
+        alerts_fired={  # the alert book's: every alert the detectors raise, from zero
+            **dict.fromkeys(alert_names(build_detectors(DetectorsConfig(), 0.0)), 0),
+            "KVHostTierEvictionUnderPressure": 1,
+            "InferenceProcessOOMKilled": 2,
+        },
         oom_kills={("vllm", "decode", "abcdef012345", "vllm-0"): 2},
         probes=(
             ProbeView("page_free", "memory", "kmem:mm_page_free", "attached", True, 123456),

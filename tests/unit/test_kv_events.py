@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.records import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.privileged.helpers import free_port, wait_until

@@ -16,7 +16,7 @@ from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_GROUPS, MediumGroups
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.records import OTHER_GROUP, GroupTotals, StreamStats
+from kvwatch.daemon.engines.views import OTHER_GROUP, GroupTotals, StreamStats
 
 from tests.unit.test_kv_events import script_stats
 

@@ -17,7 +17,7 @@ from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger
-from kvwatch.daemon.engines.records import (
+from kvwatch.daemon.engines.views import (
     EngineSample,
     GroupTotals,
     LossTotal,

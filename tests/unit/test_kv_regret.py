@@ -17,7 +17,7 @@ from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.hashmem import HashMemory
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.records import REGRET_BUCKETS
+from kvwatch.daemon.engines.views import REGRET_BUCKETS
 
 from tests.tools.vllm_run_fixtures import uncompact
 from tests.unit.test_kv_events import publish_script

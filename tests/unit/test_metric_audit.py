@@ -15,7 +15,7 @@ from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.audit import BLOCK_BYTES, COPY_PROBES, AuditSettings, ProcessAudit, divergence, diverges
 from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.engines.records import AuditRow
+from kvwatch.daemon.engines.views import AuditRow
 from kvwatch.daemon.series import CounterSeries, SeriesSet
 
 from tests.tools.vllm_run_fixtures import uncompact

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from kvwatch.daemon.config import DetectorsConfig, PreemptionLivelockConfig
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.preemption_livelock import PreemptionLivelock
-from kvwatch.daemon.detectors.registry import build_detectors
+from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.records import ALERT_NAMES
 from kvwatch.daemon.series import SeriesSet
 
 CFG = PreemptionLivelockConfig(warmup_seconds=10, baseline_min_seconds=20, window_seconds=5, clear_windows=3)
@@ -77,5 +76,5 @@ def test_not_judged_before_a_rate_is_learnt_nor_on_an_idle_engine() -> None:
 
 
 def test_in_the_registry_and_the_alert_names() -> None:
-    assert "KVPreemptionLivelock" in ALERT_NAMES
+    assert "KVPreemptionLivelock" in alert_names(build_detectors(DetectorsConfig(), 0.0))
     assert any(isinstance(x, PreemptionLivelock) for x in build_detectors(DetectorsConfig(), 0.0))

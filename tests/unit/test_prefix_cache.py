@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from kvwatch.daemon.config import DetectorsConfig, PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
-from kvwatch.daemon.detectors.registry import build_detectors
+from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.blocks import MediumBlocks
-from kvwatch.daemon.records import ALERT_NAMES
 from kvwatch.daemon.series import SeriesSet
 
 CFG = PrefixCacheIneffectiveConfig(warmup_seconds=10, window_seconds=20, clear_windows=3)
@@ -135,5 +134,5 @@ def test_a_reset_is_intentional_and_recovery_clears() -> None:
 
 
 def test_in_the_registry_and_the_alert_names() -> None:
-    assert "KVPrefixCacheIneffective" in ALERT_NAMES
+    assert "KVPrefixCacheIneffective" in alert_names(build_detectors(DetectorsConfig(), 0.0))
     assert any(isinstance(x, PrefixCacheIneffective) for x in build_detectors(DetectorsConfig(), 0.0))

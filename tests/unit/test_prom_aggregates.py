@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from kvwatch.daemon.alerts import AlertBook
+from kvwatch.daemon.config import DetectorsConfig
+from kvwatch.daemon.detectors.registry import alert_names, build_detectors, lasting_alerts
 from kvwatch.exporters.prom_aggregates import (
     completions_by_lib,
     cumulative_buckets,
-    fired_counts,
     link_utilization,
     snapshot_age,
     xfer_ok_calls,
@@ -50,5 +52,11 @@ def test_link_utilization_needs_a_known_link() -> None:
     assert link_utilization(5e9, 0.0) is None
 
 
-def test_every_known_alert_is_counted_from_zero() -> None:
-    assert fired_counts(("B", "A"), {"C": 2, "A": 1}) == [("A", 1), ("B", 0), ("C", 2)]
+def test_every_alert_the_detectors_raise_is_counted_from_zero() -> None:
+    """The alert book counts onsets of every alert the registry's detectors can raise (a detector
+    that raises two, as KVCacheReuseCollapse with CUDAMemoryGrowth, names both)."""
+    detectors = build_detectors(DetectorsConfig(), 0.0)
+    book = AlertBook([], alert_names(detectors), lasting_alerts(detectors))
+    assert len(book.fired) == len(detectors) + 1 and set(book.fired.values()) == {0}
+    assert {"CUDAMemoryGrowth", "KVCacheReuseCollapse", "KVWatchProbeShed"} <= set(book.fired)
+    assert book.lasting == {"InferenceProcessOOMKilled"}

@@ -6,10 +6,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kvwatch.daemon.engines.records import EnginePlan, EngineView, LossTotal, MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.views import EnginePlan, EngineView, LossTotal, MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.publish import CUDA_API_CLASSES
-from kvwatch.daemon.records import Alert
-from kvwatch.daemon.snapshot import CudaView, ProcessView, Snapshot, TierView
+from kvwatch.daemon.snapshot import Alert, CudaView, ProcessView, Snapshot, TierView
 from kvwatch.exporters.record import LANE_NAMES, MIB, Lane, TraceRecorder, write_trace
 from kvwatch.probes.records import ApiCounters, TransferDone
 

@@ -8,7 +8,7 @@ from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.selfcost import COST_RATIO, Sample, SelfCost, hot_apis
+from kvwatch.daemon.families.cost import COST_RATIO, Sample, SelfCost, hot_apis
 from kvwatch.daemon.series import SeriesSet
 
 CONFIG = SelfCostConfig(budget=0.01, window_seconds=2.0, windows=3, backoff_seconds=10.0, backoff_max_seconds=25.0)

@@ -11,10 +11,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from kvwatch.daemon.engines.records import EnginePlan, EngineView
+from kvwatch.daemon.engines.views import EnginePlan, EngineView
 from kvwatch.daemon.publish import CUDA_API_CLASSES
-from kvwatch.daemon.records import Alert
-from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
+from kvwatch.daemon.snapshot import Alert, CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
 from kvwatch.exporters.top import DaemonSource, SourceError, ViewState, print_once
 from kvwatch.exporters.top_model import API_PATH, TopFrame, build_frame, decode, encode
 from kvwatch.probes.records import ApiCounters

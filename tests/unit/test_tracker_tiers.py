@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvwatch.daemon.config import DiscoveryConfig, KVTiersConfig
 from kvwatch.daemon.discovery import Discovery, Labels
-from kvwatch.daemon.kvtiers import KVTierRegistry, hicache_dirs, lmcache_dirs, specs_from_process
-from kvwatch.daemon.oom_events import oom_event
-from kvwatch.daemon.procfs import ProcFS
+from kvwatch.daemon.families.kv_files import KVTierRegistry, hicache_dirs, lmcache_dirs, specs_from_process
+from kvwatch.daemon.families.oom import oom_event
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.tracker import EXIT_GRACE_SECONDS, RECENT_SECONDS, ProcessTracker
 from kvwatch.probes.memory import decode_event
 from kvwatch.probes.records import OomKill, ProcessExec, ProcessForked

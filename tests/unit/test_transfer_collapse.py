@@ -9,7 +9,7 @@ from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.transfer_collapse import ALERT, TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.families.transfer import link_bytes_per_second
-from kvwatch.daemon.procfs import ProcFS
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.series import SeriesSet
 
 MB = 1e6

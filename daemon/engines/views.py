@@ -39,6 +39,7 @@ class MediumTotals:
     stores_forgotten: int = 0  # store times dropped from a full memory (young removals missed)
     removals_forgotten: int = 0  # removals dropped from a full memory (regrets missed)
     announced: int = 0  # held blocks announced again as a request's prefix: prefix hits ("full" report mode)
+    announced_tokens: int = 0  # block_size x each of those: the hit tokens they stand for
 
     def __add__(self, o: MediumTotals) -> MediumTotals:
         return MediumTotals(*(_combine(a, b, 1) for a, b in zip(_fields(self), _fields(o), strict=True)))

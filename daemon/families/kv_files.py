@@ -23,7 +23,7 @@ from typing import Protocol
 import structlog
 from kvwatch.daemon.config import KVTiersConfig
 from kvwatch.daemon.discovery import DiscoveredProcess
-from kvwatch.daemon.procfs import ProcError, ProcessIdentity, ProcFS
+from kvwatch.daemon.host.procfs import ProcError, ProcessIdentity, ProcFS
 
 log = structlog.get_logger("kvwatch.kvtiers")
 

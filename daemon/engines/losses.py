@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from kvwatch.daemon.detectors.view import OomEvent
 from kvwatch.daemon.engines.audit import BLOCK_BYTES
 from kvwatch.daemon.engines.ledger import LossLedger
-from kvwatch.daemon.engines.records import LOST_BYTES
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.engines.views import LOST_BYTES
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.tracker import Tracked
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.procfs import ProcessIdentity
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.libs import LibraryError
 from kvwatch.probes.records import HookState

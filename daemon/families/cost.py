@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 import structlog
 from kvwatch.daemon.config import SelfCostConfig
+from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.families.runner import UPROBE_CALLS
-from kvwatch.daemon.families.tracking import FamilyTracker
-from kvwatch.daemon.procfs import ProcError, ProcFS
-from kvwatch.daemon.records import FamilyCost, ProgramRuns, SelfCostView
+from kvwatch.daemon.host.procfs import ProcError, ProcFS
+from kvwatch.daemon.snapshot import FamilyCost, ProgramRuns, SelfCostView
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.bpf import Program
 from kvwatch.probes.uprobes import PerProcessUprobes

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwatch.daemon.procfs import ProcError, ProcFS
+from kvwatch.daemon.host.procfs import ProcError, ProcFS
 
 
 def parse_some_avg10(text: str) -> float | None:
