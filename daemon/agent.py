@@ -71,12 +71,13 @@ class Agent:
         sinks: Sequence[AlertSink] | None = None,
         canary: Callable[[], CanaryResult] | None = None,
         bpf_stats: BpfStats | None = None,
+        errors: ErrorBook | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.clock = clock
-        self.errors = ErrorBook()
+        self.errors = errors if errors is not None else ErrorBook()
         self.cuda_family = cuda_family(cuda, config, self.errors, clock)
         self.transfer_family = transfer_family(transfer, config, self.errors, clock)
         self.procfs = procfs
@@ -105,8 +106,6 @@ class Agent:
         self.self_cost = SelfCost(config.self_cost)
         self.canary = canary  # times a probed call at start (probes/selfcost.py)
         self.bpf_stats = bpf_stats
-        if engines is not None:
-            engines.errors = self.errors  # one error book for the whole loop
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
         self.alerts = AlertBook(
             default_sinks + list(sinks or []), alert_names(self.detectors), lasting_alerts(self.detectors)

@@ -71,9 +71,10 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
         if use_bpf and config.probes.transfer
         else None
     )
+    errors = ErrorBook()  # one book for the loop and everything it drives
     engines = None
     if config.engines.kv_events or config.engines.metrics:
-        engines = EngineTaps(config.engines, procfs, ErrorBook())
+        engines = EngineTaps(config.engines, procfs, errors)
     all_sinks = list(sinks)
     if config.alerts.alertmanager.url:
         from kvwatch.exporters.alertmanager import AlertmanagerSink  # noqa: PLC0415 - only when configured
@@ -90,6 +91,7 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
         sinks=all_sinks,
         canary=UprobeCanary().measure if use_bpf else None,
         bpf_stats=BpfStats() if use_bpf else None,
+        errors=errors,
     )
 
 
