@@ -15,13 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors, lasting_alerts
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engines.audit import MetricAudit, audit_settings
+from kvwatch.daemon.engines.audit import Evidence, MetricAudit, audit_settings
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.losses import account_losses, account_oom
 from kvwatch.daemon.engines.taps import EngineTaps
@@ -33,9 +34,9 @@ from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.host.psi import PressureReader
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.publish import build_snapshot, process_labels
+from kvwatch.daemon.publish import Parts, ProcessParts, build_snapshot, process_views
 from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.daemon.tracker import ProcessTracker, Tracked
+from kvwatch.daemon.tracker import ProcessTracker, Tracked, process_labels
 from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.canary import BpfStats, CanaryResult
 from kvwatch.probes.cuda import CudaProbes
@@ -116,6 +117,8 @@ class Agent:
         self._published = _Published(Snapshot.empty())
         self._device_totals = nvml.device_memory_total() if nvml is not None else []
         self.gpu_used: dict[int, int] = {}
+        self._node_psi: float | None = None  # memory PSI of the node, read once a tick
+        self._owners: dict[int, list[Tracked]] = {}  # KV tier -> its owner processes, once a tick
 
     @property
     def families(self) -> tuple[CudaFamily | TransferFamily, ...]:
@@ -153,7 +156,6 @@ class Agent:
     def snapshot(self) -> Snapshot:
         return self._published.snapshot
 
-    # --- what the snapshot is built from (publish.py) ---------------------------------------------
     @property
     def tick_count(self) -> int:
         return self._tick
@@ -235,6 +237,7 @@ class Agent:
         t0 = time.perf_counter()
         now = self.clock()
         self._tick += 1
+        self._node_psi = self.pressure.node()  # read once: detectors and the snapshot see the same
         for name, step in (
             ("events", self.memory_family.drain),
             ("oom_losses", self._account_oom),
@@ -245,6 +248,7 @@ class Agent:
             ("transfer", lambda: self.transfer_family.tick(self.tracker.tracked())),
             ("engines", self._sync_engines),
             ("sample", lambda: self._ingest(now)),
+            ("tier_owners", self._tier_owners),
             ("losses", lambda: self._account_losses(now)),
             ("audit", lambda: self._audit(now)),
             ("self_cost", lambda: self._self_cost(now)),
@@ -271,6 +275,11 @@ class Agent:
         self._notify(snap)
         return snap
 
+    def _tier_owners(self) -> None:
+        """Which processes each KV tier belongs to, once a tick for the ledger, the detectors and
+        the snapshot."""
+        self._owners = self.memory_family.owners()
+
     def _discover(self, now: float) -> None:
         if now < self._next_scan:
             return
@@ -296,7 +305,7 @@ class Agent:
         self.cuda_family.add_series(
             tracked,
             now,
-            lambda pid: {"gpu_device_total_bytes": device_total, "gpu_used_bytes": float(self.gpu_used.get(pid, 0))},
+            lambda pid: {sn.GPU_DEVICE_TOTAL_BYTES: device_total, sn.GPU_USED_BYTES: float(self.gpu_used.get(pid, 0))},
         )
         self.transfer_family.add_series(tracked, now)
         if self.engines is not None:
@@ -304,12 +313,24 @@ class Agent:
         self.memory_family.ingest(now)
 
     def _account_losses(self, now: float) -> None:
-        account_losses(self.losses, self.engines, self.memory_family, self.tracker.tracked(), now)
+        account_losses(self.losses, self.engines, self.memory_family, self.tracker.tracked(), now, owners=self._owners)
 
     def _audit(self, now: float) -> None:
         engines = self.engines
-        if engines is not None:
-            self.audit.update(((t.key, t.series) for t in self.tracker.tracked() if engines.tapped(t)), now)
+        if engines is None:
+            return
+        self.audit.update(
+            (
+                (
+                    t.key,
+                    t.series,
+                    Evidence(float(engines.copy_probes.get(t.key, False)), self.losses.exact_block_bytes(t.key)),
+                )
+                for t in self.tracker.tracked()
+                if engines.tapped(t)
+            ),
+            now,
+        )
 
     def _self_cost(self, now: float) -> None:
         stats_on = self.bpf_stats is not None and self.bpf_stats.active
@@ -339,8 +360,8 @@ class Agent:
         view = NodeView(
             now=now,
             processes=procs,
-            tiers=self.memory_family.tier_windows(now, procs),
-            psi_memory_some_avg10=self.pressure.node(),
+            tiers=self.memory_family.tier_windows(now, procs, self._owners),
+            psi_memory_some_avg10=self._node_psi,
             oom_events=self.memory_family.take_oom_events(),
             probes=self.memory_family.statuses,
             probe_hits=sample.hits if sample else {},
@@ -354,4 +375,54 @@ class Agent:
         return memory + uprobes if self.memory_family.probes is None else uprobes + memory
 
     def _build_snapshot(self, now: float, loop_seconds: float) -> Snapshot:
-        return build_snapshot(self, now, loop_seconds)
+        tracked = self.tracker.tracked()
+        engines = self.engines
+        families = [f for f in self.families if f.tracker is not None]
+        cuda = self.cuda_family.tracker
+        transfers = self.transfer_family.tracker
+
+        def shed(pid: int) -> dict[str, bool]:
+            return {f.name: bool(f.is_shed(pid)) for f in families}
+
+        processes = process_views(
+            tracked,
+            ProcessParts(
+                cuda=cuda.view if cuda is not None else lambda _pid: None,
+                transfers=transfers.state if transfers is not None else lambda _pid: None,
+                engines=engines.view if engines is not None else lambda _t: None,
+                engine_window=self.config.detectors.eviction_burst.window_seconds,
+                block_bytes=self.losses.block_bytes,
+                losses={t.key: self.losses.rows(t.key) for t in tracked},
+                audit=self.audit.rows,
+                costs=lambda key, pid: self.self_cost.costs(key, shed(pid)),
+                gpu_used=self.gpu_used,
+            ),
+        )
+        lost = {**self.memory_family.lost(), "exec_hints_dropped": self.tracker.stats.hints_dropped}
+        for f in self.families:
+            lost.update(f.lost())
+        if engines is not None:
+            lost.update(engines.lost())
+        return build_snapshot(
+            Parts(
+                wall=self.wall(),
+                now=now,
+                tick=self._tick,
+                loop_seconds=loop_seconds,
+                not_ready=self.not_ready_reasons(),
+                processes=processes,
+                tiers=self.memory_family.tier_views(self._owners),
+                alerts=self.alerts.view(),
+                oom_kills=dict(self.memory_family.oom_kills),
+                probes=tuple(self.memory_family.probe_views() + [v for f in self.families for v in f.probe_views()]),
+                lost=lost,
+                errors=dict(self.errors.counts),
+                label_overflow=self.tracker.stats.label_overflow,
+                psi_memory_some_avg10=self._node_psi,
+                link_bytes_per_second=self.link_bytes_per_second,
+                transfers_pending=transfers.pending if transfers is not None else 0,
+                uprobe_releases_pending=sum(f.pending_releases() for f in self.families),
+                departed_losses=self.losses.departed_rows(),
+                self_cost=self.self_cost.view(f.name for f in families),
+            )
+        )

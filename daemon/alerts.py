@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 from kvwatch.daemon.detectors.base import Finding
-from kvwatch.daemon.snapshot import Alert
+from kvwatch.daemon.snapshot import Alert, AlertsView
 
 log = structlog.get_logger("kvwatch.alerts")
 
@@ -122,6 +122,15 @@ class AlertBook:
             ended = replace(self.active.pop(key), ended_at=wall_now)
             self._remember(ended)
             self._notify("clear", ended)
+
+    def view(self, recent: int = 50) -> AlertsView:
+        return AlertsView(
+            active=tuple(self.active.values()),
+            fired=dict(self.fired),
+            recent=tuple(self.history[-recent:]),
+            sink_errors=self.sink_errors,
+            alertmanager=self.sink_stats(),
+        )
 
     def sink_stats(self) -> dict[str, int] | None:
         """The delivery counts of the first sink that keeps them (sent / failed / dropped)."""

@@ -1,90 +1,173 @@
-"""Building the immutable per-tick snapshot from the agent's state."""
+"""Assembling the immutable per-tick snapshot from what each component hands over for the tick.
+
+Every component exposes its own view (frozen data): the uprobe families their processes' CUDA
+and transfer state and their probes, the memory family its probes and KV tiers, the engine taps
+their views, the ledger its rows, the self-cost meter its costs, the alert book its alerts. The
+agent gathers them once a tick into ``Parts``; ``build_snapshot`` only assembles, and reads the
+per-process series (``series_names.py``) for the snapshot's typed counters and rates.
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from kvwatch.daemon.engines.views import LOST_BYTES, EngineView, LossTotal
+from kvwatch.daemon import series_names as sn
+from kvwatch.daemon.engines.views import EngineView, LossTotal, TierReading
+from kvwatch.daemon.families.transfer import TransferProcessState
 from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.snapshot import CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
-from kvwatch.probes.cuda import CUDA_APIS
-from kvwatch.probes.records import HookState
-
-if TYPE_CHECKING:
-    from kvwatch.daemon.agent import Agent
-    from kvwatch.daemon.tracker import Tracked
+from kvwatch.daemon.snapshot import (
+    AlertsView,
+    CudaView,
+    FamilyCost,
+    MemoryCounters,
+    ProbeView,
+    ProcessRates,
+    ProcessView,
+    SelfCostView,
+    Snapshot,
+    TierView,
+    TransferView,
+)
+from kvwatch.daemon.tracker import Tracked, process_labels
 
 RATE_WINDOW = 5.0
-TIER_TOTALS = (
-    "reclaim_bytes",
-    "policy_bytes",
-    "reclaim_pages",
-    "policy_pages",
-    "refault_pages",
-    "added_pages",
-)
-PROCESS_RATES = (
-    "page_free_pages",
-    "direct_reclaim_seconds",
-    "memcg_reclaim_seconds",
-    "cuda_alloc_calls",
-    "cuda_free_calls",
-    "cuda_alloc_bytes",
-    "cuda_freed_bytes",
-    "xfer_bytes",
-)
-KV_RATE_PREFIXES = ("kv_removed_blocks:", "kv_regretted_blocks:", LOST_BYTES)  # per medium / tier:cause
-CUDA_API_CLASSES = {
-    a.label: "alloc" if a.is_alloc else "free" if a.is_free else "map" for a in CUDA_APIS if not a.is_copy
-}
 
 
-def _process_rates(t: Tracked) -> dict[str, float]:
-    """The fixed rates, plus KV blocks removed and regretted per medium (``kv_removed_blocks:GPU``)."""
-    names = [*PROCESS_RATES, *(n for n in t.series.series if n.startswith(KV_RATE_PREFIXES))]
-    return t.series.rates(names, RATE_WINDOW)
+@dataclass(frozen=True, slots=True)
+class ProcessParts:
+    """What the components say of the watched processes this tick."""
+
+    cuda: Callable[[int], CudaView | None]  # by pid
+    transfers: Callable[[int], TransferProcessState | None]  # by pid
+    engines: Callable[[Tracked], EngineView | None]  # the taps' view (ratios added here)
+    engine_window: float  # the window of the engine's ratios (KVEvictionBurst's)
+    block_bytes: Callable[[str], tuple[int, str] | None]  # by process key: the ledger's block size
+    losses: Mapping[str, Mapping[tuple[str, str], LossTotal]]  # by process key
+    audit: Mapping[str, tuple[object, ...]]  # by process key
+    costs: Callable[[str, int], tuple[FamilyCost, ...]]  # (key, pid)
+    gpu_used: Mapping[int, int]
 
 
-def process_labels(t: Tracked) -> dict[str, str]:
-    lab = t.proc.labels
-    return {
-        "pid": str(t.pid),
-        "engine": lab.engine,
-        "role": lab.role,
-        "component": lab.component,
-        "container": lab.container,
-        "pod": lab.pod,
-    }
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Everything a snapshot is made of, as the components handed it over for one tick."""
+
+    wall: float
+    now: float
+    tick: int
+    loop_seconds: float
+    not_ready: tuple[str, ...]
+    processes: tuple[ProcessView, ...]
+    tiers: tuple[TierView, ...]
+    alerts: AlertsView
+    oom_kills: Mapping[tuple[str, str, str, str], int]
+    probes: tuple[ProbeView, ...]
+    lost: Mapping[str, int]
+    errors: Mapping[str, int]
+    label_overflow: int
+    psi_memory_some_avg10: float | None
+    link_bytes_per_second: float
+    transfers_pending: int
+    uprobe_releases_pending: int
+    departed_losses: tuple[tuple[Mapping[str, str], Mapping[tuple[str, str], LossTotal]], ...]
+    self_cost: SelfCostView | None
 
 
-def _cuda_view(agent: Agent, t: Tracked) -> CudaView | None:
-    if agent.cuda_tracker is None:
-        return None
-    st = agent.cuda_tracker.state(t.pid)
-    if st is None:
-        return None
-    c = st.counters
-    return CudaView(
-        apis=dict(c.apis) if c else {},
-        api_classes=CUDA_API_CLASSES,
-        outstanding=c.outstanding() if c else {"device": 0, "host": 0, "vmm": 0},
-        failures=st.failures,
-        symbols_attached=st.symbols_attached,
-        libraries=st.libraries,
-        ucx_hooks=st.ucx,
+def memory_counters(s: SeriesSet) -> MemoryCounters:
+    return MemoryCounters(
+        page_free_pages=s.last(sn.PAGE_FREE_PAGES),
+        direct_reclaim_seconds=s.last(sn.DIRECT_RECLAIM_SECONDS),
+        direct_reclaim_count=s.last(sn.DIRECT_RECLAIM_COUNT),
+        memcg_reclaim_seconds=s.last(sn.MEMCG_RECLAIM_SECONDS),
+        memcg_reclaim_count=s.last(sn.MEMCG_RECLAIM_COUNT),
     )
 
 
-def _transfer_view(agent: Agent, t: Tracked) -> TransferView | None:
-    tracker = agent.transfer_tracker
-    if tracker is None:
+def _keyed_rates(s: SeriesSet, prefix: str) -> dict[str, float]:
+    names = [n for n in s.series if n.startswith(prefix)]
+    return {n[len(prefix) :]: v for n, v in s.rates(names, RATE_WINDOW).items()}
+
+
+def process_rates(s: SeriesSet) -> ProcessRates:
+    fixed = (
+        sn.PAGE_FREE_PAGES,
+        sn.DIRECT_RECLAIM_SECONDS,
+        sn.MEMCG_RECLAIM_SECONDS,
+        sn.CUDA_ALLOC_CALLS,
+        sn.CUDA_FREE_CALLS,
+        sn.CUDA_ALLOC_BYTES,
+        sn.CUDA_FREED_BYTES,
+        sn.XFER_BYTES,
+    )
+    r = s.rates(fixed, RATE_WINDOW)
+    lost = {tuple(k.split(":", 1)): v for k, v in _keyed_rates(s, sn.KV_LOST_BYTES).items() if ":" in k}
+    return ProcessRates(
+        page_free_pages=r[sn.PAGE_FREE_PAGES],
+        direct_reclaim_seconds=r[sn.DIRECT_RECLAIM_SECONDS],
+        memcg_reclaim_seconds=r[sn.MEMCG_RECLAIM_SECONDS],
+        cuda_alloc_calls=r[sn.CUDA_ALLOC_CALLS],
+        cuda_free_calls=r[sn.CUDA_FREE_CALLS],
+        cuda_alloc_bytes=r[sn.CUDA_ALLOC_BYTES],
+        cuda_freed_bytes=r[sn.CUDA_FREED_BYTES],
+        xfer_bytes=r[sn.XFER_BYTES],
+        kv_removed_blocks=_keyed_rates(s, sn.KV_REMOVED),
+        kv_regretted_blocks=_keyed_rates(s, sn.KV_REGRETTED),
+        kv_lost_bytes=lost,  # type: ignore[arg-type]
+    )
+
+
+def regret_ratios(s: SeriesSet, media: Sequence[str], window: float) -> dict[str, float]:
+    """Per medium with removals over the window: blocks stored again after their removal,
+    over blocks removed, both over the window."""
+    out = {}
+    for medium in sorted(media):
+        removed = s.delta(f"{sn.KV_REMOVED}{medium}", window)
+        if removed > 0:
+            out[medium] = s.delta(f"{sn.KV_REGRETTED}{medium}", window) / removed
+    return out
+
+
+def engine_view(
+    view: EngineView | None, s: SeriesSet, window: float, block_bytes: tuple[int, str] | None
+) -> EngineView | None:
+    """The taps' view with what the series say over the window: the prefix-hit ratio, the regret
+    ratio per medium, each engine tier's hit ratio; and the block size the ledger priced with."""
+    if view is None:
         return None
-    st = tracker.state(t.pid)
+    q = s.delta(sn.ENGINE_PREFIX_QUERIES, window)
+    media = {m for st in view.streams for m in st.media}
+    size, source = block_bytes or (None, "")
+    return replace(
+        view,
+        hit_ratio=s.delta(sn.ENGINE_PREFIX_HITS, window) / q if q > 0 else None,
+        regret_ratio=regret_ratios(s, sorted(media), window),
+        tier_hit_ratio=tier_hit_ratios(s, view.tiers, window),
+        block_bytes=size,
+        block_bytes_source=source,
+    )
+
+
+def tier_hit_ratios(s: SeriesSet, tiers: Iterable[TierReading], window: float) -> dict[tuple[str, str], float]:
+    """Per (source, tier): tokens found over tokens looked up, over the window, where the engine
+    counts both; else the ratio it exports itself."""
+    out: dict[tuple[str, str], float] = {}
+    for r in tiers:
+        if r.quantity == "hit_ratio":
+            out[(r.source, r.tier)] = r.value
+        elif r.quantity == "queried":
+            base = f"{sn.ENGINE_TIER}{r.source}:{r.tier}:"
+            q = s.delta(f"{base}queried:{r.unit}", window)
+            if q > 0 and f"{base}hit:{r.unit}" in s.series:
+                out[(r.source, r.tier)] = s.delta(f"{base}hit:{r.unit}", window) / q
+    return out
+
+
+def transfer_view(st: TransferProcessState | None, s: SeriesSet) -> TransferView | None:
     if st is None:
         return None
     c = st.counters
-    busy = t.series.delta("nixl_duration_seconds", RATE_WINDOW)
+    busy = s.delta(sn.NIXL_DURATION_SECONDS, RATE_WINDOW)
     return TransferView(
         xfers=dict(c.xfers) if c else {},
         registered_bytes=c.registered_bytes if c else 0,
@@ -94,64 +177,11 @@ def _transfer_view(agent: Agent, t: Tracked) -> TransferView | None:
         released_incomplete=c.released_incomplete if c else 0,
         symbols_attached=st.symbols_attached,
         libraries=st.libraries,
-        effective_bytes_per_second=t.series.delta("nixl_bytes", RATE_WINDOW) / busy if busy > 0 else 0.0,
+        effective_bytes_per_second=s.delta(sn.NIXL_BYTES, RATE_WINDOW) / busy if busy > 0 else 0.0,
     )
 
 
-def _family_probe_views(agent: Agent) -> list[ProbeView]:
-    views: list[ProbeView] = []
-    for family in agent.families:
-        tracker = family.tracker
-        if tracker is not None:
-            states = tracker.api_states()
-            any_attached = bool(tracker.probes.attachments)
-            for api in tracker.probes.apis:
-                text = states[api.label].value if any_attached else "idle"  # no process of this kind yet
-                views.append(
-                    ProbeView(
-                        api.label, family.name, f"{api.lib}:{api.symbol}", text, False, tracker.hits.get(api.label, 0)
-                    )
-                )
-        elif family.enabled:
-            views += [
-                ProbeView(a.label, family.name, f"{a.lib}:{a.symbol}", HookState.FAILED.value, True, 0, family.failure)
-                for a in family.probe_apis
-            ]
-    return views
-
-
-def _probe_views(agent: Agent) -> list[ProbeView]:
-    memory = agent.memory_family
-    hits = memory.sample.hits if memory.sample else {}
-    views = [
-        ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
-        for s in memory.statuses
-    ]
-    views += _family_probe_views(agent)
-    return views
-
-
-def _lost(agent: Agent) -> dict[str, int]:
-    """Every count of events kvwatch dropped, by where they were dropped."""
-    memory = agent.memory_family
-    lost = dict(memory.sample.lost) if memory.sample else {}
-    lost["malformed_events"] = memory.malformed
-    lost["exec_hints_dropped"] = agent.tracker.stats.hints_dropped
-    if agent.cuda_tracker is not None:
-        lost.update({f"cuda_{k}" if not k.startswith("cuda_") else k: v for k, v in agent.cuda_tracker.lost.items()})
-    if agent.transfer_tracker is not None:
-        lost.update(agent.transfer_tracker.lost)
-    if agent.engines is not None:
-        lost["kv_event_batches"] = agent.engines.lost_batches
-        lost.update(agent.engines.blocks_forgotten)
-    if memory.tiers is not None and memory.tiers.stats.map_full:
-        lost["kv_inodes_full"] = memory.tiers.stats.map_full
-    return lost
-
-
-def _process_views(agent: Agent) -> tuple[ProcessView, ...]:
-    gpu = agent.gpu_used
-    window = agent.config.detectors.eviction_burst.window_seconds
+def process_views(tracked: Sequence[Tracked], parts: ProcessParts) -> tuple[ProcessView, ...]:
     return tuple(
         ProcessView(
             key=t.key,
@@ -159,93 +189,48 @@ def _process_views(agent: Agent) -> tuple[ProcessView, ...]:
             labels=process_labels(t),
             source=t.proc.source,
             alive=t.exited_at is None,
-            totals=dict(t.totals),
-            rates=_process_rates(t),
-            gpu_used_bytes=gpu.get(t.pid),
-            cuda=_cuda_view(agent, t),
-            transfers=_transfer_view(agent, t),
-            engine=_engine_view(agent, t, window),
-            kv_losses=_losses(agent, t),
-            kv_audit=agent.audit.rows.get(t.key, ()),
-            uprobe_costs=agent.self_cost.costs(t.key, _shed(agent, t.pid)),
+            memory=memory_counters(t.series),
+            rates=process_rates(t.series),
+            gpu_used_bytes=parts.gpu_used.get(t.pid),
+            cuda=parts.cuda(t.pid),
+            transfers=transfer_view(parts.transfers(t.pid), t.series),
+            engine=engine_view(parts.engines(t), t.series, parts.engine_window, parts.block_bytes(t.key)),
+            kv_losses=parts.losses.get(t.key, {}),
+            kv_audit=parts.audit.get(t.key, ()),  # type: ignore[arg-type]
+            uprobe_costs=parts.costs(t.key, t.pid),
         )
-        for t in agent.tracker.tracked()
+        for t in tracked
     )
 
 
-def _shed(agent: Agent, pid: int) -> dict[str, bool]:
-    return {f.name: f.tracker.is_shed(pid) for f in agent.families if f.tracker is not None}
-
-
-def _engine_view(agent: Agent, t: Tracked, window: float) -> EngineView | None:
-    view = agent.engines.view(t, window) if agent.engines else None
-    led = agent.losses.engines.get(t.key)
-    if view is None or led is None or led.block_bytes.value is None:
-        return view
-    return replace(view, block_bytes=led.block_bytes.value, block_bytes_source=led.block_bytes.source)
-
-
-def _losses(agent: Agent, t: Tracked) -> dict[tuple[str, str], LossTotal]:
-    led = agent.losses.engines.get(t.key)
-    return led.totals() if led is not None else {}
-
-
-def _tier_views(agent: Agent) -> tuple[TierView, ...]:
-    memory = agent.memory_family
-    if memory.tiers is None:
-        return ()
-    views = []
-    for tier in memory.tiers.tiers.values():
-        series = memory.tier_series.get(tier.tier_id, SeriesSet())
-        views.append(
-            TierView(
-                key=f"tier:{tier.tier_id}",
-                tier_id=tier.tier_id,
-                name=tier.name,
-                path=str(tier.path),
-                source=tier.source,
-                owners=tuple(sorted(t.pid for t in memory.tier_owners(tier))),
-                files=len(tier.files),
-                totals={n: series.last(n) for n in TIER_TOTALS},
-                rates=series.rates(("reclaim_bytes", "policy_bytes", "refault_pages"), RATE_WINDOW),
-            )
-        )
-    return tuple(views)
-
-
-def build_snapshot(agent: Agent, now: float, loop_seconds: float) -> Snapshot:
-    errors = dict(agent.errors.counts)
-    errors["alert_sink"] = agent.alerts.sink_errors
+def build_snapshot(p: Parts) -> Snapshot:
     watched: dict[str, int] = {}
-    for t in agent.tracker.tracked():
-        if t.exited_at is None:
-            watched[t.proc.labels.engine] = watched.get(t.proc.labels.engine, 0) + 1
-    reasons = agent.not_ready_reasons()
+    for v in p.processes:
+        if v.alive:
+            watched[v.labels["engine"]] = watched.get(v.labels["engine"], 0) + 1
     return Snapshot(
-        wall_time=agent.wall(),
-        monotonic=now,
-        tick=agent.tick_count,
-        ready=not reasons,
-        not_ready_reasons=reasons,
-        processes=_process_views(agent),
-        tiers=_tier_views(agent),
-        alerts=tuple(agent.alerts.active.values()),
-        alerts_fired=dict(agent.alerts.fired),
-        oom_kills=dict(agent.memory_family.oom_kills),
-        probes=tuple(_probe_views(agent)),
-        lost=_lost(agent),
-        errors=errors,
+        wall_time=p.wall,
+        monotonic=p.now,
+        tick=p.tick,
+        ready=not p.not_ready,
+        not_ready_reasons=p.not_ready,
+        processes=p.processes,
+        tiers=p.tiers,
+        alerts=p.alerts.active,
+        alerts_fired=p.alerts.fired,
+        oom_kills=p.oom_kills,
+        probes=p.probes,
+        lost=p.lost,
+        errors={**p.errors, "alert_sink": p.alerts.sink_errors},
         watched_by_engine=watched,
-        label_overflow=agent.tracker.stats.label_overflow,
-        loop_seconds=loop_seconds,
-        psi_memory_some_avg10=agent.pressure.node(),
-        recent_alerts=tuple(agent.alerts.history[-50:]),
-        link_bytes_per_second=agent.link_bytes_per_second,
-        transfers_pending=agent.transfer_tracker.pending if agent.transfer_tracker else 0,
-        uprobe_releases_pending=sum(
-            f.probes.program.pending_releases() for f in agent.families if f.tracker is not None and f.probes
-        ),
-        alertmanager=agent.alerts.sink_stats(),
-        departed_losses=tuple((labels, led.totals()) for _, labels, led in agent.losses.departed.values()),
-        self_cost=agent.self_cost.view(f.name for f in agent.families if f.tracker is not None),
+        label_overflow=p.label_overflow,
+        loop_seconds=p.loop_seconds,
+        psi_memory_some_avg10=p.psi_memory_some_avg10,
+        recent_alerts=p.alerts.recent,
+        link_bytes_per_second=p.link_bytes_per_second,
+        transfers_pending=p.transfers_pending,
+        uprobe_releases_pending=p.uprobe_releases_pending,
+        alertmanager=p.alerts.alertmanager,
+        departed_losses=p.departed_losses,
+        self_cost=p.self_cost,
     )

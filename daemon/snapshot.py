@@ -28,6 +28,17 @@ class Alert:
 
 
 @dataclass(frozen=True, slots=True)
+class AlertsView:
+    """The alert book as of a tick."""
+
+    active: tuple[Alert, ...]
+    fired: Mapping[str, int]  # onsets per alert: every alert the detectors raise, from zero
+    recent: tuple[Alert, ...]  # onsets and clears, newest last
+    sink_errors: int
+    alertmanager: Mapping[str, int] | None  # sent / failed / dropped, when the direct sink is on
+
+
+@dataclass(frozen=True, slots=True)
 class FamilyCost:
     """What one uprobe family's probes cost one watched process (``daemon/selfcost.py``)."""
 
@@ -87,14 +98,62 @@ class TransferView:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryCounters:
+    """A process's kernel-memory counters, cumulative since kvwatch began watching it."""
+
+    page_free_pages: float = 0.0
+    direct_reclaim_seconds: float = 0.0  # stalled in global direct reclaim
+    direct_reclaim_count: float = 0.0
+    memcg_reclaim_seconds: float = 0.0  # stalled reclaiming against its memory cgroup's limit
+    memcg_reclaim_count: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRates:
+    """Per second, over the snapshot's rate window."""
+
+    page_free_pages: float = 0.0
+    direct_reclaim_seconds: float = 0.0
+    memcg_reclaim_seconds: float = 0.0
+    cuda_alloc_calls: float = 0.0
+    cuda_free_calls: float = 0.0
+    cuda_alloc_bytes: float = 0.0
+    cuda_freed_bytes: float = 0.0
+    xfer_bytes: float = 0.0
+    kv_removed_blocks: Mapping[str, float] = field(default_factory=dict)  # by medium
+    kv_regretted_blocks: Mapping[str, float] = field(default_factory=dict)  # by medium
+    kv_lost_bytes: Mapping[tuple[str, str], float] = field(default_factory=dict)  # by (tier, cause)
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounters:
+    """A KV tier's page cache, cumulative: bytes and pages dropped by reclaim or by the engine
+    deleting its files, pages read back after reclaim, pages added."""
+
+    reclaim_bytes: float = 0.0
+    policy_bytes: float = 0.0
+    reclaim_pages: float = 0.0
+    policy_pages: float = 0.0
+    refault_pages: float = 0.0
+    added_pages: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierRates:
+    reclaim_bytes: float = 0.0
+    policy_bytes: float = 0.0
+    refault_pages: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessView:
     key: str  # "pid@start_ticks"
     pid: int
     labels: Mapping[str, str]  # engine, role, component, container, pod
     source: str
     alive: bool
-    totals: Mapping[str, float]  # cumulative: page_free_pages, direct_reclaim_seconds, ...
-    rates: Mapping[str, float]  # per second over the rate window
+    memory: MemoryCounters
+    rates: ProcessRates
     gpu_used_bytes: int | None = None
     cuda: CudaView | None = None
     transfers: TransferView | None = None
@@ -113,8 +172,8 @@ class TierView:
     source: str
     owners: tuple[int, ...]
     files: int
-    totals: Mapping[str, float]  # reclaim_bytes, policy_bytes, refault_pages, added_pages
-    rates: Mapping[str, float]
+    totals: TierCounters
+    rates: TierRates
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ a short grace period: the kernel frees their memory after the exit event.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -37,7 +37,6 @@ class Tracked:
     proc: DiscoveredProcess
     first_seen: float
     series: SeriesSet
-    totals: dict[str, float] = field(default_factory=dict)
     exited_at: float | None = None
     in_kernel: bool = False
 
@@ -48,6 +47,19 @@ class Tracked:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+def process_labels(t: Tracked) -> dict[str, str]:
+    """The labels a watched process carries on every metric and alert."""
+    lab = t.proc.labels
+    return {
+        "pid": str(t.pid),
+        "engine": lab.engine,
+        "role": lab.role,
+        "component": lab.component,
+        "container": lab.container,
+        "pod": lab.pod,
+    }
 
 
 @dataclass(slots=True)

@@ -30,11 +30,12 @@ def process_families(s: Snapshot) -> Iterator[Metric]:
     gpu = GaugeMetricFamily("kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels)
     for p in s.processes:
         v = label_values(p.labels, PROCESS_LABELS)
-        pages.add_metric(v, p.totals.get("page_free_pages", 0.0))
-        reclaim.add_metric([*v, "global"], p.totals.get("direct_reclaim_seconds", 0.0))
-        reclaim.add_metric([*v, "memcg"], p.totals.get("memcg_reclaim_seconds", 0.0))
-        stalls.add_metric([*v, "global"], p.totals.get("direct_reclaim_count", 0.0))
-        stalls.add_metric([*v, "memcg"], p.totals.get("memcg_reclaim_count", 0.0))
+        m = p.memory
+        pages.add_metric(v, m.page_free_pages)
+        reclaim.add_metric([*v, "global"], m.direct_reclaim_seconds)
+        reclaim.add_metric([*v, "memcg"], m.memcg_reclaim_seconds)
+        stalls.add_metric([*v, "global"], m.direct_reclaim_count)
+        stalls.add_metric([*v, "memcg"], m.memcg_reclaim_count)
         if p.gpu_used_bytes is not None:
             gpu.add_metric(v, p.gpu_used_bytes)
     yield pages
@@ -56,9 +57,9 @@ def tier_families(s: Snapshot) -> Iterator[Metric]:
     )
     files = GaugeMetricFamily("kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"])
     for t in s.tiers:
-        evicted.add_metric([t.name, "reclaim"], t.totals.get("reclaim_bytes", 0.0))
-        evicted.add_metric([t.name, "policy"], t.totals.get("policy_bytes", 0.0))
-        refault.add_metric([t.name], t.totals.get("refault_pages", 0.0))
+        evicted.add_metric([t.name, "reclaim"], t.totals.reclaim_bytes)
+        evicted.add_metric([t.name, "policy"], t.totals.policy_bytes)
+        refault.add_metric([t.name], t.totals.refault_pages)
         files.add_metric([t.name, t.source], t.files)
     yield evicted
     yield refault

@@ -99,11 +99,11 @@ def _lost_totals(p: ProcessView) -> dict[str, float]:
 
 
 def _reclaim_totals(p: ProcessView) -> dict[str, float]:
-    t = p.totals
+    m = p.memory
     return {
-        "direct ms": 1000.0 * t.get("direct_reclaim_seconds", 0.0),
-        "memcg ms": 1000.0 * t.get("memcg_reclaim_seconds", 0.0),
-        "pages freed": t.get("page_free_pages", 0.0),
+        "direct ms": 1000.0 * m.direct_reclaim_seconds,
+        "memcg ms": 1000.0 * m.memcg_reclaim_seconds,
+        "pages freed": m.page_free_pages,
     }
 
 
@@ -201,9 +201,9 @@ class TraceRecorder:
                 name=f"KV tier {tier.name} pages",
                 now_us=now_us,
                 totals={
-                    "evicted (reclaim)": t.get("reclaim_pages", 0.0),
-                    "deleted (policy)": t.get("policy_pages", 0.0),
-                    "refaulted": t.get("refault_pages", 0.0),
+                    "evicted (reclaim)": t.reclaim_pages,
+                    "deleted (policy)": t.policy_pages,
+                    "refaulted": t.refault_pages,
                 },
             )
         self._track_alerts(snap, now_us)

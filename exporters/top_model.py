@@ -9,11 +9,9 @@ structs: the daemon encodes and the client decodes (and validates) the same type
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from kvwatch.daemon.engines.views import LOST_BYTES
 
 if TYPE_CHECKING:
     from kvwatch.daemon.snapshot import ProcessView, Snapshot
@@ -91,17 +89,13 @@ class TopFrame(msgspec.Struct, frozen=True, kw_only=True):
     alerts: tuple[TopAlert, ...]
 
 
-def _r(rates: Mapping[str, float], name: str) -> float:
-    return float(rates.get(name, 0.0))
-
-
 def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow:
     rates = p.rates
     owned = [t for t in snap.tiers if p.pid in t.owners]
     cuda = p.cuda
     xfer = p.transfers
     eff = xfer.effective_bytes_per_second if xfer is not None else 0.0
-    removed = [v for k, v in rates.items() if k.startswith("kv_removed_blocks:")]
+    removed = list(rates.kv_removed_blocks.values())
     return TopRow(
         pid=p.pid,
         engine=p.labels.get("engine", ""),
@@ -111,18 +105,18 @@ def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow
         pod=p.labels.get("pod", ""),
         alive=p.alive,
         gpu_bytes=p.gpu_used_bytes,
-        alloc_per_s=_r(rates, "cuda_alloc_calls"),
-        alloc_bytes_per_s=_r(rates, "cuda_alloc_bytes"),
-        free_per_s=_r(rates, "cuda_free_calls"),
+        alloc_per_s=rates.cuda_alloc_calls,
+        alloc_bytes_per_s=rates.cuda_alloc_bytes,
+        free_per_s=rates.cuda_free_calls,
         outstanding_device=int(cuda.outstanding.get("device", 0) + cuda.outstanding.get("vmm", 0))
         if cuda is not None
         else None,
         outstanding_host=int(cuda.outstanding.get("host", 0)) if cuda is not None else None,
-        page_free_per_s=_r(rates, "page_free_pages"),
-        evict_reclaim_bps=sum(_r(t.rates, "reclaim_bytes") for t in owned),
-        evict_policy_bps=sum(_r(t.rates, "policy_bytes") for t in owned),
-        stall_ms_per_s=1000.0 * (_r(rates, "direct_reclaim_seconds") + _r(rates, "memcg_reclaim_seconds")),
-        xfer_bps=_r(rates, "xfer_bytes"),
+        page_free_per_s=rates.page_free_pages,
+        evict_reclaim_bps=sum(t.rates.reclaim_bytes for t in owned),
+        evict_policy_bps=sum(t.rates.policy_bytes for t in owned),
+        stall_ms_per_s=1000.0 * (rates.direct_reclaim_seconds + rates.memcg_reclaim_seconds),
+        xfer_bps=rates.xfer_bytes,
         xfer_effective_bps=eff,
         link_pct=100.0 * eff / snap.link_bytes_per_second if snap.link_bytes_per_second > 0 and eff > 0 else None,
         kv_removed_per_s=sum(removed) if removed else None,
@@ -134,7 +128,7 @@ def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow
 
 def _lost(p: ProcessView) -> dict[str, Any]:
     """Bytes lost per second over the ledger's rows, and the row losing the most."""
-    rates = {k[len(LOST_BYTES) :]: v for k, v in p.rates.items() if k.startswith(LOST_BYTES)}
+    rates = {f"{tier}:{cause}": v for (tier, cause), v in p.rates.kv_lost_bytes.items()}
     if not rates:
         return {}
     top = max(rates, key=lambda k: rates[k])
@@ -171,8 +165,8 @@ def build_frame(snap: Snapshot, host: str | None = None) -> TopFrame:
         engines=dict(snap.watched_by_engine),
         gpu_bytes=sum(gpu) if gpu else None,
         alloc_per_s=sum(r.alloc_per_s for r in live),
-        evict_reclaim_bps=sum(_r(t.rates, "reclaim_bytes") for t in snap.tiers),
-        evict_policy_bps=sum(_r(t.rates, "policy_bytes") for t in snap.tiers),
+        evict_reclaim_bps=sum(t.rates.reclaim_bytes for t in snap.tiers),
+        evict_policy_bps=sum(t.rates.policy_bytes for t in snap.tiers),
         stall_ms_per_s=sum(r.stall_ms_per_s for r in live),
         xfer_bps=sum(r.xfer_bps for r in live),
         link_bps=snap.link_bytes_per_second,

@@ -58,15 +58,15 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.detectors.view import ProcessWindow
-from kvwatch.daemon.engines.views import WINDOW_BOUNDED
 from kvwatch.daemon.series import SeriesSet
 
 ALERT = "KVEvictionBurst"
-STREAM_PREFIX = "kv_removed_blocks:"
+STREAM_PREFIX = sn.KV_REMOVED
 MEDIUM_ORDER = {"GPU": 0, "CPU": 1}  # the engine's own pool first, then its first offload tier
 
 
@@ -87,10 +87,10 @@ def _hit_series(names: Container[str], medium: str) -> tuple[str | None, str | N
     """The prefix-hit counters that measure reuse on ``medium``: the engine's own prefix cache
     for GPU; for CPU, LMCache's hit tokens, else vLLM's external (KV connector) prefix cache."""
     pairs = {
-        "GPU": [("engine_prefix_hits", "engine_prefix_queries")],
+        "GPU": [(sn.ENGINE_PREFIX_HITS, sn.ENGINE_PREFIX_QUERIES)],
         "CPU": [
-            ("lmcache_hit_tokens", "lmcache_requested_tokens"),
-            ("engine_external_prefix_hits", "engine_external_prefix_queries"),
+            (sn.LMCACHE_HIT_TOKENS, sn.LMCACHE_REQUESTED_TOKENS),
+            (sn.ENGINE_EXTERNAL_HITS, sn.ENGINE_EXTERNAL_QUERIES),
         ],
     }.get(medium, [])
     for hits, queries in pairs:
@@ -108,18 +108,18 @@ def sources(s: SeriesSet) -> list[Source]:
         if name.startswith(STREAM_PREFIX):
             m = name[len(STREAM_PREFIX) :]
             hits, queries = _hit_series(names, m)
-            bounded = s.gauge(f"{WINDOW_BOUNDED}{m}") >= 1
-            young = None if bounded else f"kv_removed_young:{m}"
+            bounded = s.gauge(f"{sn.KV_WINDOW_BOUNDED}{m}") >= 1
+            young = None if bounded else f"{sn.KV_REMOVED_YOUNG}{m}"
             out.append(Source(m, name, "blocks", young, name, hits, queries, window_bounded=bounded))
     media = {x.medium for x in out}
-    if "GPU" not in media and "engine_evicted_tokens" in names:
-        out.append(Source("GPU", "engine_evicted_tokens", "tokens", None, None, *_hit_series(names, "GPU")))
-    if "CPU" not in media and "lmcache_evicted_keys" in names:
-        out.append(Source("CPU", "lmcache_evicted_keys", "keys", None, None, *_hit_series(names, "CPU")))
-    if not out and "cuda_copy_d2h_bytes" in names and not s.gauge("engine_family_tapped"):
+    if "GPU" not in media and sn.ENGINE_EVICTED_TOKENS in names:
+        out.append(Source("GPU", sn.ENGINE_EVICTED_TOKENS, "tokens", None, None, *_hit_series(names, "GPU")))
+    if "CPU" not in media and sn.LMCACHE_EVICTED_KEYS in names:
+        out.append(Source("CPU", sn.LMCACHE_EVICTED_KEYS, "keys", None, None, *_hit_series(names, "CPU")))
+    if not out and sn.CUDA_COPY_D2H_BYTES in names and not s.gauge(sn.ENGINE_FAMILY_TAPPED):
         # no engine data at all: the OS-side view — KV stored to host and loaded back, both
         # far above their baseline, is the store-then-reload churn of evicted hot blocks
-        out.append(Source("CPU", "cuda_copy_d2h_bytes", "bytes", None, None, None, None, "cuda_copy_h2d_bytes"))
+        out.append(Source("CPU", sn.CUDA_COPY_D2H_BYTES, "bytes", None, None, None, None, sn.CUDA_COPY_H2D_BYTES))
     return sorted(out, key=lambda x: (MEDIUM_ORDER.get(x.medium, len(MEDIUM_ORDER)), x.medium))
 
 
@@ -178,9 +178,9 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
         if src.young and src.young_of:
             removed = s.delta(src.young_of, w)
             out["young_fraction"] = s.delta(src.young, w) / removed if removed > 0 else 0.0
-        elif src.medium == "GPU" and not src.window_bounded and "engine_idle_evict_samples" in s.series:
-            n = s.delta("engine_idle_evict_samples", w)
-            out["young_fraction"] = s.delta("engine_idle_evict_young", w) / n if n > 0 else 0.0
+        elif src.medium == "GPU" and not src.window_bounded and sn.ENGINE_IDLE_EVICT_SAMPLES in s.series:
+            n = s.delta(sn.ENGINE_IDLE_EVICT_SAMPLES, w)
+            out["young_fraction"] = s.delta(sn.ENGINE_IDLE_EVICT_YOUNG, w) / n if n > 0 else 0.0
         if src.hits and src.queries:
             q = s.delta(src.queries, w)
             out["queried_tokens"] = q
@@ -189,10 +189,10 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
         if src.window_bounded:
             out["window_bounded"] = 1.0
         if src.medium == "GPU":  # the engine's usage and preemptions are about its own (GPU) pool
-            if s.gauge("engine_metrics_fresh") and "engine_kv_usage" in s.gauges:
-                out["kv_usage"] = s.gauge("engine_kv_usage")
-            if "engine_preemptions" in s.series:
-                out["preemptions_per_second"] = s.rate("engine_preemptions", w)
+            if s.gauge(sn.ENGINE_METRICS_FRESH) and sn.ENGINE_KV_USAGE in s.gauges:
+                out["kv_usage"] = s.gauge(sn.ENGINE_KV_USAGE)
+            if sn.ENGINE_PREEMPTIONS in s.series:
+                out["preemptions_per_second"] = s.rate(sn.ENGINE_PREEMPTIONS, w)
         return out
 
     def _cause(self, m: dict[str, float], evidence: bool) -> str:
@@ -213,7 +213,7 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
         c = self.config
         srcs = sources(p.series)
         s = p.series
-        if s.delta("kv_cleared", max(c.window_seconds, 1.0)) > 0 or s.gauge("engine_sleeping") >= 1:
+        if s.delta(sn.KV_CLEARED, max(c.window_seconds, 1.0)) > 0 or s.gauge(sn.ENGINE_SLEEPING) >= 1:
             st.quiet_until = now + c.quiet_after_reset_seconds
             st.learning_since = None
         quiet = now < st.quiet_until

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import HostTierEvictionConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
 from kvwatch.daemon.detectors.view import NodeView, TierWindow
@@ -51,11 +52,11 @@ class HostTierEviction:
 
     def measure(self, tier: TierWindow, view: NodeView) -> dict[str, float]:
         w = self.config.window_seconds
-        evicted_pages = tier.series.delta("reclaim_pages", w)
-        refault_pages = tier.series.delta("refault_pages", w)
+        evicted_pages = tier.series.delta(sn.RECLAIM_PAGES, w)
+        refault_pages = tier.series.delta(sn.REFAULT_PAGES, w)
         stall = max(
             (
-                o.series.rate("direct_reclaim_seconds", w) + o.series.rate("memcg_reclaim_seconds", w)
+                o.series.rate(sn.DIRECT_RECLAIM_SECONDS, w) + o.series.rate(sn.MEMCG_RECLAIM_SECONDS, w)
                 for o in tier.owners
             ),
             default=0.0,
@@ -64,7 +65,7 @@ class HostTierEviction:
         if view.psi_memory_some_avg10 is not None:
             psi_values.append(view.psi_memory_some_avg10)
         return {
-            "evicted_bytes_per_second": tier.series.rate("reclaim_bytes", w),
+            "evicted_bytes_per_second": tier.series.rate(sn.RECLAIM_BYTES, w),
             "refault_ratio": refault_pages / evicted_pages if evicted_pages > 0 else 0.0,
             "reclaim_stall_ms_per_second": stall * 1000.0,
             "psi_some_avg10": max(psi_values, default=0.0),

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PreemptionLivelockConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.detectors.view import ProcessWindow
 
 ALERT = "KVPreemptionLivelock"
-PREEMPTIONS, TOKENS = "engine_preemptions", "engine_generation_tokens"
+PREEMPTIONS, TOKENS = sn.ENGINE_PREEMPTIONS, sn.ENGINE_GENERATION_TOKENS
 
 
 @dataclass(slots=True)

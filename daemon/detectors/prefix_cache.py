@@ -36,16 +36,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.detectors.view import ProcessWindow
 
 ALERT = "KVPrefixCacheIneffective"
-QUERIES, HITS = "engine_prefix_queries", "engine_prefix_hits"
-STORED, REGRETTED, RESTORED = "kv_stored_blocks:GPU", "kv_regretted_blocks:GPU", "kv_restored_blocks:GPU"
-WINDOW_REGRETTED = "kv_window_regretted_blocks:GPU"
-ANNOUNCED, ANNOUNCED_TOKENS = "kv_announced_blocks:GPU", "kv_announced_tokens:GPU"
+QUERIES, HITS = sn.ENGINE_PREFIX_QUERIES, sn.ENGINE_PREFIX_HITS
+STORED, REGRETTED, RESTORED = f"{sn.KV_STORED}GPU", f"{sn.KV_REGRETTED}GPU", f"{sn.KV_RESTORED}GPU"
+WINDOW_REGRETTED = f"{sn.KV_WINDOW_REGRETTED}GPU"
+ANNOUNCED, ANNOUNCED_TOKENS = f"{sn.KV_ANNOUNCED}GPU", f"{sn.KV_ANNOUNCED_TOKENS}GPU"
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
         ratio = hits / queried if queried > 0 else 0.0
         share = restored / stored if stored > 0 else 0.0
         evicted_first = share < c.recur_fraction and regretted >= c.recur_fraction * stored > 0
-        intentional = s.delta("kv_cleared", w) > 0 or s.gauge("engine_sleeping") >= 1
+        intentional = s.delta(sn.KV_CLEARED, w) > 0 or s.gauge(sn.ENGINE_SLEEPING) >= 1
         judged = p.age >= c.warmup_seconds and not intentional and not evicted_first
         # "shares nothing" describes the workload: only where missing is the engine's normal, not a
         # drop from what it hit before (a flood of unique prompts, a workload that changed)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.detectors.view import ProcessWindow
-from kvwatch.daemon.families.cost import COST_RATIO
-from kvwatch.daemon.families.runner import UPROBES_SHED
 
 ALERT = "KVWatchProbeShed"
 
@@ -28,22 +27,22 @@ class ProbeShed(ProcessDetector[_Always, None]):
         super().__init__(_Always())
 
     def applies(self, p: ProcessWindow) -> bool:
-        return any(k.startswith(UPROBES_SHED) for k in p.series.gauges)
+        return any(k.startswith(sn.UPROBES_SHED) for k in p.series.gauges)
 
     def new_state(self) -> None:
         return None
 
     def judge(self, key: str, st: None, p: ProcessWindow, now: float) -> Finding:
         gauges = p.series.gauges
-        families = sorted(k.removeprefix(UPROBES_SHED) for k in gauges if k.startswith(UPROBES_SHED))
-        shed = [f for f in families if gauges.get(f"{UPROBES_SHED}{f}")]
-        ratio = gauges.get(COST_RATIO)
+        families = sorted(k.removeprefix(sn.UPROBES_SHED) for k in gauges if k.startswith(sn.UPROBES_SHED))
+        shed = [f for f in families if gauges.get(f"{sn.UPROBES_SHED}{f}")]
+        ratio = gauges.get(sn.UPROBE_COST_RATIO)
         return Finding(
             alert=ALERT,
             subject=Subject(key, p.subject.labels),
             firing=bool(shed),
             cause=shed[0] if shed else "",
-            values={COST_RATIO: ratio} if ratio is not None else {},
+            values={sn.UPROBE_COST_RATIO: ratio} if ratio is not None else {},
             summary=f"pid {p.subject.labels.get('pid', '?')}: "
             + (f"{', '.join(shed)} uprobes detached, over the cost budget" if shed else "uprobes attached")
             + (f" (last measured {ratio:.1%} of its CPU)" if ratio is not None else ""),

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
@@ -61,7 +62,7 @@ class _State:
 class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
     name = ALERT
     alerts: ClassVar[tuple[str, ...]] = (ALERT, GROWTH)
-    needs = ("cuda_alloc_calls",)  # a CUDA process, attached
+    needs = (sn.CUDA_ALLOC_CALLS,)  # a CUDA process, attached
 
     def new_state(self) -> _State:
         c = self.config
@@ -74,22 +75,22 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
     def measure(self, p: ProcessWindow) -> dict[str, float]:
         w = self.config.window_seconds
         s = p.series
-        allocs = s.delta("cuda_alloc_calls", w)
-        frees = s.delta("cuda_free_calls", w)
-        alloc_bytes = s.delta("cuda_alloc_bytes", w)
-        freed_bytes = s.delta("cuda_freed_bytes", w)
+        allocs = s.delta(sn.CUDA_ALLOC_CALLS, w)
+        frees = s.delta(sn.CUDA_FREE_CALLS, w)
+        alloc_bytes = s.delta(sn.CUDA_ALLOC_BYTES, w)
+        freed_bytes = s.delta(sn.CUDA_FREED_BYTES, w)
         return {
-            "alloc_calls_per_second": s.rate("cuda_alloc_calls", w),
-            "free_calls_per_second": s.rate("cuda_free_calls", w),
+            "alloc_calls_per_second": s.rate(sn.CUDA_ALLOC_CALLS, w),
+            "free_calls_per_second": s.rate(sn.CUDA_FREE_CALLS, w),
             "alloc_calls": allocs,
             "free_calls": frees,
             "alloc_bytes": alloc_bytes,
             "freed_bytes": freed_bytes,
-            "net_bytes_per_second": s.rate("cuda_alloc_bytes", w) - s.rate("cuda_freed_bytes", w),
-            "failures": s.delta("cuda_alloc_failures", w),
-            "frees_after_failure": s.delta("cuda_frees_after_failure", w),
-            "clustered_frees": s.delta("cuda_clustered_frees", w),
-            "segment_allocs": s.delta("cuda_seg_2m", w) + s.delta("cuda_seg_20m", w),
+            "net_bytes_per_second": s.rate(sn.CUDA_ALLOC_BYTES, w) - s.rate(sn.CUDA_FREED_BYTES, w),
+            "failures": s.delta(sn.CUDA_ALLOC_FAILURES, w),
+            "frees_after_failure": s.delta(sn.CUDA_FREES_AFTER_FAILURE, w),
+            "clustered_frees": s.delta(sn.CUDA_CLUSTERED_FREES, w),
+            "segment_allocs": s.delta(sn.CUDA_SEG_2M, w) + s.delta(sn.CUDA_SEG_20M, w),
         }
 
     def churn(self, m: Mapping[str, float]) -> bool:
@@ -117,7 +118,7 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
         """Past start-up: old enough, KV pool allocated when we can tell, and a baseline learnt
         for a while (CUDA graph capture and torch.compile allocate a lot at first)."""
         c = self.config
-        if p.series.gauge("engine_sleeping") >= 1:
+        if p.series.gauge(sn.ENGINE_SLEEPING) >= 1:
             # sleep mode releases the KV pool (and weights) and wake-up maps them again: an
             # intentional turnover, neither judged nor learnt; the process warms up anew after
             st.warm_since = None
@@ -126,8 +127,8 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
         if now < st.quiet_until or p.age < c.warmup_seconds:
             return False
         # the KV pool: one allocation we saw, or (allocated before we attached) NVML's view
-        pool = max(p.series.last("cuda_max_alloc"), p.series.last("gpu_used_bytes"))
-        total = p.series.last("gpu_device_total_bytes")
+        pool = max(p.series.last(sn.CUDA_MAX_ALLOC), p.series.last(sn.GPU_USED_BYTES))
+        total = p.series.last(sn.GPU_DEVICE_TOTAL_BYTES)
         if c.require_kv_pool and total > 0 and pool < c.kv_pool_fraction * total:
             return False
         if st.warm_since is None:

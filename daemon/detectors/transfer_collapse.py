@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TransferCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
@@ -32,7 +33,7 @@ class _State:
 
 class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
     name = ALERT
-    needs = ("nixl_posts",)
+    needs = (sn.NIXL_POSTS,)
 
     def __init__(self, config: TransferCollapseConfig, link_bytes_per_second: float = 0.0) -> None:
         super().__init__(config)
@@ -48,14 +49,14 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
         their time so far — an upper bound of their bandwidth, so never an alarm of its own)."""
         w = self.config.window_seconds
         s = p.series
-        nbytes = s.delta("nixl_bytes", w) + s.gauge("nixl_in_flight_bytes")
-        busy = s.delta("nixl_duration_seconds", w) + s.gauge("nixl_in_flight_seconds")
-        done = s.delta("nixl_completed", w)
+        nbytes = s.delta(sn.NIXL_BYTES, w) + s.gauge(sn.NIXL_IN_FLIGHT_BYTES)
+        busy = s.delta(sn.NIXL_DURATION_SECONDS, w) + s.gauge(sn.NIXL_IN_FLIGHT_SECONDS)
+        done = s.delta(sn.NIXL_COMPLETED, w)
         out = {
             "effective_bytes_per_second": nbytes / busy if busy > 0 else 0.0,
             "transfers_completed": done,
-            "transfers_in_flight": s.gauge("nixl_in_flight"),
-            "posts_per_second": s.rate("nixl_posts", w),
+            "transfers_in_flight": s.gauge(sn.NIXL_IN_FLIGHT),
+            "posts_per_second": s.rate(sn.NIXL_POSTS, w),
             "concurrency": busy / w,
             "bytes": nbytes,
         }

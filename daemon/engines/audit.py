@@ -34,16 +34,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.engines.views import PHYSICAL_STORED, AuditRow
+from kvwatch.daemon.engines.views import AuditRow
 from kvwatch.daemon.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
-COPY_PROBES = "family_copy_probes"  # gauge: 1 while the engine's processes have copy probes attached
-BLOCK_BYTES = "kv_block_bytes"  # gauge: bytes of one block, where configured or learnt from a divisor
-POOL_BLOCKS = "engine_kv_pool_blocks"  # gauge
-RESIDENT_GPU = "kv_resident_blocks:GPU"  # gauge
-LOST_BATCHES = "kv_batches_lost"  # series
+COPY_PROBES = "copy_probes"  # evidence: the engine's processes have their copy probes attached
+BLOCK_BYTES = "block_bytes"  # evidence: bytes of one block, where configured or learnt from a divisor
+POOL_BLOCKS = sn.ENGINE_KV_POOL_BLOCKS  # gauge
+RESIDENT_GPU = f"{sn.KV_RESIDENT}GPU"  # gauge
+LOST_BATCHES = sn.KV_BATCHES_LOST  # series
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +56,8 @@ class Pair:
     engine_source: str
     kvwatch: str
     kvwatch_source: str
-    requires: tuple[str, ...] = ()  # gauges that must be > 0 through the window
-    scale: str = ""  # gauge multiplying the kvwatch series (a block count into bytes)
+    requires: tuple[str, ...] = ()  # evidence that must be > 0 through the window (``Evidence``)
+    scale: str = ""  # evidence multiplying the kvwatch series (a block count into bytes)
     stream: bool = False  # kvwatch's side is the KV event stream: no batch lost in the window
     gauge: bool = False
 
@@ -66,9 +67,9 @@ PAIRS = (
         "offload_store_copies",
         "bytes",
         EQUAL,
-        "engine_offload_store_bytes",
+        sn.ENGINE_OFFLOAD_STORE_BYTES,
         "vllm:kv_offload_store_bytes",
-        "family_copy_d2h_bytes",
+        sn.FAMILY_COPY_D2H_BYTES,
         "device-to-host copy probes",
         requires=(COPY_PROBES,),
     ),
@@ -76,9 +77,9 @@ PAIRS = (
         "offload_load_copies",
         "bytes",
         AT_MOST,
-        "engine_offload_load_bytes",
+        sn.ENGINE_OFFLOAD_LOAD_BYTES,
         "vllm:kv_offload_load_bytes",
-        "family_copy_h2d_bytes",
+        sn.FAMILY_COPY_H2D_BYTES,
         "host-to-device copy probes",
         requires=(COPY_PROBES,),
     ),
@@ -86,9 +87,9 @@ PAIRS = (
         "offload_store_blocks",
         "bytes",
         EQUAL,
-        "engine_offload_store_bytes",
+        sn.ENGINE_OFFLOAD_STORE_BYTES,
         "vllm:kv_offload_store_bytes",
-        f"{PHYSICAL_STORED}CPU",
+        f"{sn.KV_PHYSICAL_STORED}CPU",
         "KV event stream CPU blocks stored (every KV cache group) x block size",
         requires=(BLOCK_BYTES,),
         scale=BLOCK_BYTES,
@@ -148,6 +149,17 @@ class _PairState:
     row: AuditRow | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What other steps of the tick hand the audit for one engine process, as values."""
+
+    copy_probes: float = 0.0  # 1 while every process of the engine has its copy probes attached
+    block_bytes: float = 0.0  # the ledger's block size, when configured or learnt from a divisor
+
+    def get(self, name: str) -> float:
+        return float(getattr(self, name))
+
+
 class ProcessAudit:
     """One engine process's pairs: each new window judged once, its row kept until the next."""
 
@@ -155,19 +167,19 @@ class ProcessAudit:
         self.settings = settings
         self._pairs: dict[str, _PairState] = {p.name: _PairState() for p in PAIRS}
 
-    def update(self, series: SeriesSet, now: float) -> tuple[AuditRow, ...]:
+    def update(self, series: SeriesSet, evidence: Evidence, now: float) -> tuple[AuditRow, ...]:
         for pair in PAIRS:
             st = self._pairs[pair.name]
-            if not all(series.gauges.get(g, 0.0) > 0 for g in pair.requires):
+            if not all(evidence.get(e) > 0 for e in pair.requires):
                 st.open = None  # evidence absent: the next window starts when it is back
                 continue
             if pair.gauge:
                 self._gauge_pair(pair, st, series, now)
             else:
-                self._counter_pair(pair, st, series)
+                self._counter_pair(pair, st, series, evidence.get(pair.scale) if pair.scale else 1.0)
         return tuple(st.row for st in self._pairs.values() if st.row is not None)
 
-    def _counter_pair(self, pair: Pair, st: _PairState, series: SeriesSet) -> None:
+    def _counter_pair(self, pair: Pair, st: _PairState, series: SeriesSet, scale: float) -> None:
         es, ks = series.series.get(pair.engine), series.series.get(pair.kvwatch)
         if es is None or ks is None or not es.samples:
             return
@@ -175,7 +187,6 @@ class ProcessAudit:
         k1 = ks.value_at(t1)
         if k1 is None:
             return
-        scale = series.gauges.get(pair.scale, 1.0) if pair.scale else 1.0
         lost = series.last(LOST_BATCHES) if pair.stream else 0.0
         o = st.open
         if o is None or e1 < o.engine0 or k1 < o.kvwatch0 or scale != o.scale or lost != o.lost0:
@@ -230,14 +241,16 @@ class MetricAudit:
         self._procs: dict[str, ProcessAudit] = {}
         self.rows: dict[str, tuple[AuditRow, ...]] = {}
 
-    def update(self, processes: Iterable[tuple[str, SeriesSet]], now: float) -> Mapping[str, tuple[AuditRow, ...]]:
+    def update(
+        self, processes: Iterable[tuple[str, SeriesSet, Evidence]], now: float
+    ) -> Mapping[str, tuple[AuditRow, ...]]:
         seen = set()
-        for key, series in processes:
+        for key, series, evidence in processes:
             seen.add(key)
             audit = self._procs.get(key)
             if audit is None:
                 audit = self._procs[key] = ProcessAudit(self.settings)
-            self.rows[key] = audit.update(series, now)
+            self.rows[key] = audit.update(series, evidence, now)
         for key in list(self._procs):
             if key not in seen:
                 del self._procs[key]

@@ -207,6 +207,26 @@ class LossLedger:
         if led is not None and led.rows:
             self.departed[key] = (now, dict(labels), led)
 
+    def rows(self, key: str) -> dict[tuple[str, str], LossTotal]:
+        led = self.engines.get(key)
+        return led.totals() if led is not None else {}
+
+    def block_bytes(self, key: str) -> tuple[int, str] | None:
+        """The engine's block size and where it came from (config / offload / offload_ratio)."""
+        led = self.engines.get(key)
+        if led is None or led.block_bytes.value is None:
+            return None
+        return led.block_bytes.value, led.block_bytes.source
+
+    def exact_block_bytes(self, key: str) -> float:
+        """The block size, when configured or learnt from a divisor (0 otherwise): what may price
+        the audit's blocks (a size from the ratio of bytes to blocks is no evidence)."""
+        size = self.block_bytes(key)
+        return float(size[0]) if size is not None and size[1] in ("config", "offload") else 0.0
+
+    def departed_rows(self) -> tuple[tuple[Mapping[str, str], dict[tuple[str, str], LossTotal]], ...]:
+        return tuple((labels, led.totals()) for _, labels, led in self.departed.values())
+
     def expire(self, now: float) -> None:
         for key in [k for k, (at, _, _) in self.departed.items() if now - at >= self.linger]:
             del self.departed[key]

@@ -3,13 +3,12 @@ streams and counters, the KV tiers' page cache, and the OOM kills of engine proc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.detectors.view import OomEvent
-from kvwatch.daemon.engines.audit import BLOCK_BYTES
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
-from kvwatch.daemon.engines.views import LOST_BYTES
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.tracker import Tracked
 
@@ -26,24 +25,24 @@ def account_losses(
     memory: MemoryFamily,
     tracked: Sequence[Tracked],
     now: float,
+    *,
+    owners: Mapping[int, list[Tracked]],
 ) -> None:
     if taps is not None:
         _engines(ledger, taps, tracked)
-    _tiers(ledger, memory)
+    _tiers(ledger, memory, owners)
     for t in tracked:
         led = ledger.engines.get(t.key)
         if led is not None:
-            values = {f"{LOST_BYTES}{tier}:{cause}": r.bytes for (tier, cause), r in led.totals().items()}
+            values = {f"{sn.KV_LOST_BYTES}{tier}:{cause}": r.bytes for (tier, cause), r in led.totals().items()}
             t.series.add(now, {k: v for k, v in values.items() if v is not None})
-            size = led.block_bytes  # the audit prices blocks only with a size not taken from their ratio
-            t.series.set_gauges({BLOCK_BYTES: float(size.value or 0) if size.source in ("config", "offload") else 0.0})
 
 
 def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]) -> None:
     window = preempt_window(taps.config.scrape_interval_seconds)
     for t in tracked:
         if taps.tapped(t):
-            preempting = t.series.delta("engine_preemptions", window) > 0
+            preempting = t.series.delta(sn.ENGINE_PREEMPTIONS, window) > 0
             ledger.of(t.key).streams(taps.streams_of(t.key), taps.sample_of(t.key), preempting)
 
 
@@ -59,14 +58,14 @@ def account_oom(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]
             ledger.of(owner).oom(g for s in taps.streams_of(owner) for g in s.groups)
 
 
-def _tiers(ledger: LossLedger, memory: MemoryFamily) -> None:
+def _tiers(ledger: LossLedger, memory: MemoryFamily, owners: Mapping[int, list[Tracked]]) -> None:
     """A disk tier's losses go to the first process it belongs to; one owned by none is only
     in the tier's own families (kvwatch_kv_tier_evicted_bytes_total)."""
     if memory.tiers is None:
         return
     for tier in memory.tiers.tiers.values():
         series = memory.tier_series.get(tier.tier_id)
-        owners = memory.tier_owners(tier)
-        if series is None or not owners:
+        first = owners.get(tier.tier_id)
+        if series is None or not first:
             continue
-        ledger.of(owners[0].key).tier(tier.tier_id, series.last("reclaim_bytes"), series.last("policy_bytes"))
+        ledger.of(first[0].key).tier(tier.tier_id, series.last(sn.RECLAIM_BYTES), series.last(sn.POLICY_BYTES))

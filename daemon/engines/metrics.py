@@ -172,6 +172,16 @@ def _reason(err: BaseException) -> str:
     return "other"
 
 
+@dataclass(slots=True)
+class _Target:
+    """The scraper thread's own, mutable account of a target (``TargetState`` is its copy)."""
+
+    ok: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    last: EngineSample | None = None
+    last_error: str = ""
+
+
 class EngineScraper:
     """Scrapes every target each ``interval`` seconds on its own thread (a few workers,
     each request bounded by ``timeout``); the agent reads ``states()``."""
@@ -191,7 +201,7 @@ class EngineScraper:
         self.clock = clock
         self.fetcher = fetcher
         self._lock = threading.Lock()
-        self._states: dict[ScrapeTarget, TargetState] = {}
+        self._states: dict[ScrapeTarget, _Target] = {}
         self._stop = threading.Event()
         self._kick = threading.Event()
         self._thread: threading.Thread | None = None
@@ -210,7 +220,7 @@ class EngineScraper:
                 if t not in wanted:
                     del self._states[t]
             for t in new:
-                self._states[t] = TargetState(t)
+                self._states[t] = _Target()
         if new:
             self._kick.set()  # scrape a new engine at once
 

@@ -14,16 +14,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
 from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.engines.views import (
-    PHYSICAL_STORED,
-    TIER_SERIES,
-    WINDOW_BOUNDED,
-    WINDOW_REGRETTED,
+    TIER_COUNTERS,
     EnginePlan,
     EngineSample,
     EngineView,
@@ -32,7 +30,6 @@ from kvwatch.daemon.engines.views import (
     StreamSpec,
     StreamStats,
     TargetState,
-    TierReading,
 )
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.logs import ErrorBook
@@ -44,27 +41,14 @@ REPLAN_SECONDS = 30.0
 MAX_FAMILY_DEPTH = 8
 
 
-def regret_ratios(t: Tracked, streams: Iterable[StreamStats], window: float) -> dict[str, float]:
-    """Per medium with removals over the window: blocks stored again after their removal,
-    over blocks removed, both over the window."""
-    out = {}
-    for medium in sorted({m for s in streams for m in s.media}):
-        removed = t.series.delta(f"kv_removed_blocks:{medium}", window)
-        if removed > 0:
-            out[medium] = t.series.delta(f"kv_regretted_blocks:{medium}", window) / removed
-    return out
-
-
 def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dict[str, float]]:
     """A tapped process's KV event series (cumulative) and gauges, summed over its streams."""
     values: dict[str, float] = {
-        "kv_cleared": float(sum(s.cleared for s in streams)),
-        "kv_batches_lost": float(sum(s.lost for s in streams)),
-        "kv_batches": float(sum(s.batches for s in streams)),
+        sn.KV_CLEARED: float(sum(s.cleared for s in streams)),
+        sn.KV_BATCHES_LOST: float(sum(s.lost for s in streams)),
     }
     gauges: dict[str, float] = {
-        "kv_events_connected": float(any(s.connected for s in streams)),
-        "kv_resident_blocks:GPU": float(sum(g.totals.resident for s in streams for g in s.groups if g.medium == "GPU")),
+        f"{sn.KV_RESIDENT}GPU": float(sum(g.totals.resident for s in streams for g in s.groups if g.medium == "GPU")),
     }
 
     def add(name: str, v: float) -> None:
@@ -72,24 +56,24 @@ def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dic
 
     for s in streams:
         for medium, m in s.media.items():  # logical: each medium's reference group
-            add(f"kv_stored_blocks:{medium}", m.stored)
-            add(f"kv_removed_blocks:{medium}", m.removed)
-            add(f"kv_removed_young:{medium}", m.removed_young)
-            add(f"kv_regretted_blocks:{medium}", m.regretted)
-            add(f"kv_restored_blocks:{medium}", m.restored)
-            add(f"kv_announced_blocks:{medium}", m.announced)
-            add(f"kv_announced_tokens:{medium}", m.announced_tokens)
+            add(f"{sn.KV_STORED}{medium}", m.stored)
+            add(f"{sn.KV_REMOVED}{medium}", m.removed)
+            add(f"{sn.KV_REMOVED_YOUNG}{medium}", m.removed_young)
+            add(f"{sn.KV_REGRETTED}{medium}", m.regretted)
+            add(f"{sn.KV_RESTORED}{medium}", m.restored)
+            add(f"{sn.KV_ANNOUNCED}{medium}", m.announced)
+            add(f"{sn.KV_ANNOUNCED_TOKENS}{medium}", m.announced_tokens)
         window_group: dict[str, GroupTotals] = {}
         for g in s.groups:  # physical: every group's blocks
-            add(f"{PHYSICAL_STORED}{g.medium}", g.totals.stored)
+            add(f"{sn.KV_PHYSICAL_STORED}{g.medium}", g.totals.stored)
             if g.full:
                 continue
             if g.reference:
-                gauges[f"{WINDOW_BOUNDED}{g.medium}"] = 1.0
+                gauges[f"{sn.KV_WINDOW_BOUNDED}{g.medium}"] = 1.0
             else:
                 window_group.setdefault(g.medium, g)
         for medium, g in window_group.items():  # a hybrid model's first window-bounded group
-            add(f"{WINDOW_REGRETTED}{medium}", g.totals.regretted)
+            add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
     return values, gauges
 
 
@@ -119,18 +103,28 @@ class _Planned:
     sample_at: float = -1.0
 
 
-def tier_hit_ratios(t: Tracked, tiers: Iterable[TierReading], window: float) -> dict[tuple[str, str], float]:
-    """Per (source, tier): tokens found over tokens looked up, over the window, where the engine
-    counts both; else the ratio it exports itself."""
-    out: dict[tuple[str, str], float] = {}
-    for r in tiers:
-        if r.quantity == "hit_ratio":
-            out[(r.source, r.tier)] = r.value
-        elif r.quantity == "queried":
-            base = f"{TIER_SERIES}{r.source}:{r.tier}:"
-            q = t.series.delta(f"{base}queried:{r.unit}", window)
-            if q > 0 and f"{base}hit:{r.unit}" in t.series.series:
-                out[(r.source, r.tier)] = t.series.delta(f"{base}hit:{r.unit}", window) / q
+def sample_series(x: EngineSample) -> dict[str, float]:
+    """A scrape's cumulative counters, as series values."""
+    names = {
+        sn.ENGINE_PREFIX_QUERIES: x.prefix_queries,
+        sn.ENGINE_PREFIX_HITS: x.prefix_hits,
+        sn.ENGINE_PREEMPTIONS: x.preemptions,
+        sn.ENGINE_EVICTED_TOKENS: x.evicted_tokens,
+        sn.ENGINE_IDLE_EVICT_SAMPLES: x.idle_evict_samples,
+        sn.ENGINE_IDLE_EVICT_YOUNG: x.idle_evict_young,
+        sn.LMCACHE_EVICTED_KEYS: x.lmcache_evicted_keys,
+        sn.LMCACHE_HIT_TOKENS: x.lmcache_hit_tokens,
+        sn.LMCACHE_REQUESTED_TOKENS: x.lmcache_requested_tokens,
+        sn.ENGINE_EXTERNAL_QUERIES: x.external_queries,
+        sn.ENGINE_EXTERNAL_HITS: x.external_hits,
+        sn.ENGINE_OFFLOAD_STORE_BYTES: x.offload_store_bytes,
+        sn.ENGINE_OFFLOAD_LOAD_BYTES: x.offload_load_bytes,
+        sn.ENGINE_GENERATION_TOKENS: x.generation_tokens,
+    }
+    out = {k: v for k, v in names.items() if v is not None}
+    for r in x.tiers:
+        if r.quantity in TIER_COUNTERS:
+            out[f"{sn.ENGINE_TIER}{r.source}:{r.tier}:{r.quantity}:{r.unit}"] = r.value
     return out
 
 
@@ -166,6 +160,8 @@ class EngineTaps:
         self._planned: dict[str, _Planned] = {}
         self._stats: dict[StreamSpec, StreamStats] = {}
         self._scrapes: dict[ScrapeTarget, TargetState] = {}
+        # per tapped process, this tick: every process of the engine has its copy probes attached
+        self.copy_probes: dict[str, bool] = {}
 
     def start(self) -> None:
         self.hub.start()
@@ -272,18 +268,19 @@ class EngineTaps:
             if owner is None:
                 continue
             if t.exited_at is None:
-                t.series.set_gauges({"engine_family_tapped": 1.0, "engine_sleeping": sleeping.get(owner, 0.0)})
-            if "cuda_copy_d2h_bytes" in t.series.series:
+                t.series.set_gauges({sn.ENGINE_FAMILY_TAPPED: 1.0, sn.ENGINE_SLEEPING: sleeping.get(owner, 0.0)})
+            if sn.CUDA_COPY_D2H_BYTES in t.series.series:
                 acc = copies.setdefault(owner, [0.0, 0.0, 0.0, 0.0])
-                acc[0] += t.series.last("cuda_copy_d2h_bytes")
-                acc[1] += t.series.last("cuda_copy_h2d_bytes")
-                acc[2] += float(t.series.gauge("uprobe_symbols:cuda") > 0)  # a CUDA library's probes attached
-                acc[3] += t.series.gauge("uprobes_shed:cuda")
+                acc[0] += t.series.last(sn.CUDA_COPY_D2H_BYTES)
+                acc[1] += t.series.last(sn.CUDA_COPY_H2D_BYTES)
+                acc[2] += float(t.series.gauge(f"{sn.UPROBE_SYMBOLS}cuda") > 0)  # a CUDA library's probes attached
+                acc[3] += t.series.gauge(f"{sn.UPROBES_SHED}cuda")
+        self.copy_probes = {}
         for t in tracked:  # the copies of the engine's processes, summed on the tapped one (the audit's)
             if t.key in copies:
                 d2h, h2d, probed, shed = copies[t.key]
-                t.series.add(now, {"family_copy_d2h_bytes": d2h, "family_copy_h2d_bytes": h2d})
-                t.series.set_gauges({"family_copy_probes": float(probed > 0 and shed == 0)})
+                t.series.add(now, {sn.FAMILY_COPY_D2H_BYTES: d2h, sn.FAMILY_COPY_H2D_BYTES: h2d})
+                self.copy_probes[t.key] = probed > 0 and shed == 0
 
     def _add_owner_series(self, t: Tracked, now: float) -> dict[str, float]:
         """A tapped process's own series; returns {its key: sleeping} when it has a scrape."""
@@ -300,48 +297,39 @@ class EngineTaps:
         if sample is not None:
             if sample.at > p.sample_at:
                 p.sample_at = sample.at
-                t.series.add(sample.at, sample.counters())
+                t.series.add(sample.at, sample_series(sample))
             fresh = now - sample.at <= 3 * self.config.scrape_interval_seconds
-            gauges["engine_metrics_fresh"] = float(fresh)
+            gauges[sn.ENGINE_METRICS_FRESH] = float(fresh)
             if sample.usage is not None and fresh:
-                gauges["engine_kv_usage"] = sample.usage
-            gauges["engine_kv_pool_blocks"] = sample.pool_blocks if sample.pool_blocks is not None and fresh else 0.0
-            gauges["engine_sleeping"] = float(bool(sample.sleeping) and fresh)
+                gauges[sn.ENGINE_KV_USAGE] = sample.usage
+            gauges[sn.ENGINE_KV_POOL_BLOCKS] = sample.pool_blocks if sample.pool_blocks is not None and fresh else 0.0
+            gauges[sn.ENGINE_SLEEPING] = float(bool(sample.sleeping) and fresh)
         if gauges:
             t.series.set_gauges(gauges)
-        return {t.key: gauges.get("engine_sleeping", 0.0)}
+        return {t.key: gauges.get(sn.ENGINE_SLEEPING, 0.0)}
 
-    def view(self, t: Tracked, window: float) -> EngineView | None:
+    def view(self, t: Tracked) -> EngineView | None:
+        """What the taps know of the process (its ratios over windows are the snapshot's to add)."""
         p = self._planned.get(t.key)
         if p is None or p.plan is None:
             return None
         st = self._scrape_of(t.key)
-        age = self.clock() - st.last.at if st is not None and st.last is not None else None
-        q = t.series.delta("engine_prefix_queries", window)
-        hits = t.series.delta("engine_prefix_hits", window)
-        streams = tuple(self._streams_of(t.key))
         sample = st.last if st is not None else None
-        tiers = sample.tiers if sample is not None else ()
         return EngineView(
             plan=p.plan,
-            streams=streams,
+            streams=tuple(self._streams_of(t.key)),
             scrape=st,
-            scrape_age=age,
-            hit_ratio=hits / q if q > 0 else None,
-            regret_ratio=regret_ratios(t, streams, window),
-            tiers=tiers,
-            tier_hit_ratio=tier_hit_ratios(t, tiers, window),
+            scrape_age=self.clock() - sample.at if sample is not None else None,
+            hit_ratio=None,
+            tiers=sample.tiers if sample is not None else (),
         )
 
-    @property
-    def lost_batches(self) -> int:
-        return sum(s.lost for s in self._stats.values())
-
-    @property
-    def blocks_forgotten(self) -> dict[str, int]:
-        """Entries the streams' full block memories dropped: store times, removals."""
+    def lost(self) -> dict[str, int]:
+        """Batches missed and not replayed; entries the streams' full block memories dropped
+        (store times: young removals missed; removals: regrets missed)."""
         media = [g.totals for s in self._stats.values() for g in s.groups]
         return {
+            "kv_event_batches": sum(s.lost for s in self._stats.values()),
             "kv_store_times_forgotten": sum(m.stores_forgotten for m in media),
             "kv_removals_forgotten": sum(m.removals_forgotten for m in media),
         }

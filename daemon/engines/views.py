@@ -84,12 +84,6 @@ class GroupTotals:
 
 
 OTHER_GROUP = -1
-PHYSICAL_STORED = "kv_physical_stored_blocks:"  # + medium: every group's blocks stored, as a series of the owner
-WINDOW_BOUNDED = "kv_window_bounded:"  # + medium: gauge, 1 when its reference group keeps a window only
-WINDOW_REGRETTED = "kv_window_regretted_blocks:"  # + medium: a hybrid's first window-bounded group's regrets
-
-
-LOST_BYTES = "kv_lost_bytes:"  # + tier:cause: the loss ledger's bytes as a series of the owning process
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +131,6 @@ class TierReading:
 
 
 TIER_COUNTERS = frozenset({"stored", "loaded", "evicted", "queried", "hit"})
-TIER_SERIES = "kv_tier:"  # + source:tier:quantity:unit, a tier counter as a series of its process
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,30 +160,6 @@ class EngineSample:
     tiers: tuple[TierReading, ...] = ()  # the engine's own KV tier counters, in one schema
     families: int = 0
 
-    def counters(self) -> dict[str, float]:
-        """The cumulative ones, as series values."""
-        names = {
-            "engine_prefix_queries": self.prefix_queries,
-            "engine_prefix_hits": self.prefix_hits,
-            "engine_preemptions": self.preemptions,
-            "engine_evicted_tokens": self.evicted_tokens,
-            "engine_idle_evict_samples": self.idle_evict_samples,
-            "engine_idle_evict_young": self.idle_evict_young,
-            "lmcache_evicted_keys": self.lmcache_evicted_keys,
-            "lmcache_hit_tokens": self.lmcache_hit_tokens,
-            "lmcache_requested_tokens": self.lmcache_requested_tokens,
-            "engine_external_prefix_queries": self.external_queries,
-            "engine_external_prefix_hits": self.external_hits,
-            "engine_offload_store_bytes": self.offload_store_bytes,
-            "engine_offload_load_bytes": self.offload_load_bytes,
-            "engine_generation_tokens": self.generation_tokens,
-        }
-        out = {k: v for k, v in names.items() if v is not None}
-        for r in self.tiers:
-            if r.quantity in TIER_COUNTERS:
-                out[f"{TIER_SERIES}{r.source}:{r.tier}:{r.quantity}:{r.unit}"] = r.value
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class AuditRow:
@@ -216,11 +185,13 @@ class ScrapeTarget:
     owner: str  # the watched process's key
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TargetState:
+    """How one engine's /metrics scrapes fared, as of the tick (the scraper's copy)."""
+
     target: ScrapeTarget
     ok: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    failures: Mapping[str, int] = field(default_factory=dict)  # reason -> count
     last: EngineSample | None = None
     last_error: str = ""
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.families.attachments import FamilyTracker
-from kvwatch.daemon.families.runner import UPROBE_CALLS
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
 from kvwatch.daemon.snapshot import FamilyCost, ProgramRuns, SelfCostView
 from kvwatch.daemon.tracker import Tracked
@@ -36,7 +36,6 @@ from kvwatch.probes.bpf import Program
 from kvwatch.probes.uprobes import PerProcessUprobes
 
 log = structlog.get_logger("kvwatch.selfcost")
-COST_RATIO = "uprobe_cost_ratio"  # gauge of a process: its probes' share of its CPU, last window
 
 
 @dataclass(slots=True)
@@ -293,7 +292,7 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
     samples: list[tuple[Tracked, Sample]] = []
     for t in tracked:
         calls: dict[str, float | None] = {
-            n: t.series.last(f"{UPROBE_CALLS}{n}") for n in fams if f"{UPROBE_CALLS}{n}" in t.series.series
+            n: t.series.last(f"{sn.UPROBE_CALLS}{n}") for n in fams if f"{sn.UPROBE_CALLS}{n}" in t.series.series
         }
         if t.exited_at is not None or not calls:
             continue
@@ -311,4 +310,4 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
     for t, s in samples:
         ratio = meter.ratio(s.key)
         if ratio is not None:
-            t.series.set_gauges({COST_RATIO: ratio})
+            t.series.set_gauges({sn.UPROBE_COST_RATIO: ratio})

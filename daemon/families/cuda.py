@@ -11,12 +11,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.families.attachments import Attached, FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.probes.cuda import AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
+from kvwatch.daemon.snapshot import CudaView
+from kvwatch.probes.cuda import CUDA_APIS, AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
 from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 
 log = structlog.get_logger("kvwatch.cuda")
@@ -32,19 +34,22 @@ def cuda_series(c: ProcessCuda) -> dict[str, float]:
         return float(sum(c.apis[a].bytes for a in labels if a in c.apis))
 
     return {
-        "cuda_alloc_calls": ok(SEGMENT_ALLOCS),
-        "cuda_free_calls": ok(SEGMENT_FREES),
-        "cuda_alloc_bytes": nbytes(SEGMENT_ALLOCS),
-        "cuda_freed_bytes": nbytes(SEGMENT_FREES),
-        "cuda_alloc_failures": float(sum(c.apis[a].err for a in SEGMENT_ALLOCS if a in c.apis)),
-        "cuda_frees_after_failure": float(c.frees_after_failure),
-        "cuda_clustered_frees": float(c.clustered_frees),
-        "cuda_seg_2m": float(c.seg_2m),
-        "cuda_seg_20m": float(c.seg_20m),
-        "cuda_max_alloc": float(c.max_alloc),
-        "cuda_copy_h2d_bytes": float(c.copy_bytes("h2d")),
-        "cuda_copy_d2h_bytes": float(c.copy_bytes("d2h")),
+        sn.CUDA_ALLOC_CALLS: ok(SEGMENT_ALLOCS),
+        sn.CUDA_FREE_CALLS: ok(SEGMENT_FREES),
+        sn.CUDA_ALLOC_BYTES: nbytes(SEGMENT_ALLOCS),
+        sn.CUDA_FREED_BYTES: nbytes(SEGMENT_FREES),
+        sn.CUDA_ALLOC_FAILURES: float(sum(c.apis[a].err for a in SEGMENT_ALLOCS if a in c.apis)),
+        sn.CUDA_FREES_AFTER_FAILURE: float(c.frees_after_failure),
+        sn.CUDA_CLUSTERED_FREES: float(c.clustered_frees),
+        sn.CUDA_SEG_2M: float(c.seg_2m),
+        sn.CUDA_SEG_20M: float(c.seg_20m),
+        sn.CUDA_MAX_ALLOC: float(c.max_alloc),
+        sn.CUDA_COPY_H2D_BYTES: float(c.copy_bytes("h2d")),
+        sn.CUDA_COPY_D2H_BYTES: float(c.copy_bytes("d2h")),
     }
+
+
+API_CLASSES = {a.label: "alloc" if a.is_alloc else "free" if a.is_free else "map" for a in CUDA_APIS if not a.is_copy}
 
 
 @dataclass(slots=True)
@@ -109,6 +114,22 @@ class CudaTracker(FamilyTracker):
         if pid not in self.attached:
             return None
         return sum(self.api_calls(pid).values(), 0.0)
+
+    def view(self, pid: int) -> CudaView | None:
+        """The process's CUDA counters for the snapshot, while the family tracks it."""
+        st = self.state(pid)
+        if st is None:
+            return None
+        c = st.counters
+        return CudaView(
+            apis=dict(c.apis) if c else {},
+            api_classes=API_CLASSES,
+            outstanding=c.outstanding() if c else {"device": 0, "host": 0, "vmm": 0},
+            failures=st.failures,
+            symbols_attached=st.symbols_attached,
+            libraries=st.libraries,
+            ucx_hooks=st.ucx,
+        )
 
     def state(self, pid: int) -> CudaProcessState | None:
         a = self.attached.get(pid)

@@ -9,9 +9,10 @@ attached once for the whole node, and the loop's poll waits on its ring buffer.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import structlog
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.view import OomEvent, ProcessWindow, TierWindow
@@ -21,6 +22,7 @@ from kvwatch.daemon.families.oom import oom_event
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.snapshot import ProbeView, TierCounters, TierRates, TierView
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.memory import HOOKS, MemoryProbes
@@ -39,13 +41,14 @@ log = structlog.get_logger("kvwatch.memory")
 
 PAGE_SIZE = 4096
 PROCESS_TOTALS = (
-    "page_free_pages",
-    "direct_reclaim_seconds",
-    "direct_reclaim_count",
-    "memcg_reclaim_seconds",
-    "memcg_reclaim_count",
+    sn.PAGE_FREE_PAGES,
+    sn.DIRECT_RECLAIM_SECONDS,
+    sn.DIRECT_RECLAIM_COUNT,
+    sn.MEMCG_RECLAIM_SECONDS,
+    sn.MEMCG_RECLAIM_COUNT,
 )
 TIER_SERIES_SECONDS = 120.0
+RATE_WINDOW = 5.0  # the snapshot's rates
 
 OomKey = tuple[str, str, str, str]  # engine, role, container, pod
 
@@ -212,30 +215,37 @@ class MemoryFamily:
                 totals = dict.fromkeys(PROCESS_TOTALS, 0.0)
             else:
                 totals = {
-                    "page_free_pages": float(c.page_free_pages),
-                    "direct_reclaim_seconds": c.direct_reclaim_ns / 1e9,
-                    "direct_reclaim_count": float(c.direct_reclaim_count),
-                    "memcg_reclaim_seconds": c.memcg_reclaim_ns / 1e9,
-                    "memcg_reclaim_count": float(c.memcg_reclaim_count),
+                    sn.PAGE_FREE_PAGES: float(c.page_free_pages),
+                    sn.DIRECT_RECLAIM_SECONDS: c.direct_reclaim_ns / 1e9,
+                    sn.DIRECT_RECLAIM_COUNT: float(c.direct_reclaim_count),
+                    sn.MEMCG_RECLAIM_SECONDS: c.memcg_reclaim_ns / 1e9,
+                    sn.MEMCG_RECLAIM_COUNT: float(c.memcg_reclaim_count),
                 }
-            t.totals = totals
             t.series.add(now, totals)
         if self.tiers is None:
             return
         for tier_id in self.tiers.tier_by_id():
             c2 = sample.tiers.get(tier_id)
             pages = {
-                "reclaim_pages": float(c2.reclaim_pages) if c2 else 0.0,
-                "policy_pages": float(c2.policy_pages) if c2 else 0.0,
-                "refault_pages": float(c2.refault_pages) if c2 else 0.0,
-                "added_pages": float(c2.added_pages) if c2 else 0.0,
+                sn.RECLAIM_PAGES: float(c2.reclaim_pages) if c2 else 0.0,
+                sn.POLICY_PAGES: float(c2.policy_pages) if c2 else 0.0,
+                sn.REFAULT_PAGES: float(c2.refault_pages) if c2 else 0.0,
+                sn.ADDED_PAGES: float(c2.added_pages) if c2 else 0.0,
             }
-            pages["reclaim_bytes"] = pages["reclaim_pages"] * PAGE_SIZE
-            pages["policy_bytes"] = pages["policy_pages"] * PAGE_SIZE
+            pages[sn.RECLAIM_BYTES] = pages[sn.RECLAIM_PAGES] * PAGE_SIZE
+            pages[sn.POLICY_BYTES] = pages[sn.POLICY_PAGES] * PAGE_SIZE
             self.tier_series.setdefault(tier_id, SeriesSet(TIER_SERIES_SECONDS)).add(now, pages)
             self.tier_first_seen.setdefault(tier_id, now)
 
-    def tier_windows(self, now: float, processes: dict[str, ProcessWindow]) -> dict[str, TierWindow]:
+    def owners(self) -> dict[int, list[Tracked]]:
+        """Every tier's owner processes, worked out once a tick for all that need them."""
+        if self.tiers is None:
+            return {}
+        return {tier.tier_id: self.tier_owners(tier) for tier in self.tiers.tiers.values()}
+
+    def tier_windows(
+        self, now: float, processes: dict[str, ProcessWindow], owners: Mapping[int, list[Tracked]]
+    ) -> dict[str, TierWindow]:
         """What the tier detectors see: each tier's series, labelled by its first owner."""
         if self.tiers is None:
             return {}
@@ -244,15 +254,60 @@ class MemoryFamily:
             series = self.tier_series.get(tier.tier_id)
             if series is None:
                 continue
-            owners = tuple(processes[t.key] for t in self.tier_owners(tier))
+            tier_owners = tuple(processes[t.key] for t in owners.get(tier.tier_id, ()))
             labels = {"tier": tier.name}
-            if owners:
-                labels.update(owners[0].subject.labels)
+            if tier_owners:
+                labels.update(tier_owners[0].subject.labels)
             key = f"tier:{tier.tier_id}"
             windows[key] = TierWindow(
                 subject=Subject(key, labels),
                 age=now - self.tier_first_seen.get(tier.tier_id, now),
                 series=series,
-                owners=owners,
+                owners=tier_owners,
             )
         return windows
+
+    # --- what the snapshot shows (frozen data) ----------------------------------------------
+    def probe_views(self) -> list[ProbeView]:
+        hits = self.sample.hits if self.sample else {}
+        return [
+            ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
+            for s in self.statuses
+        ]
+
+    def lost(self) -> dict[str, int]:
+        """Events the kernel side and the decoder dropped, by where."""
+        lost = dict(self.sample.lost) if self.sample else {}
+        lost["malformed_events"] = self.malformed
+        if self.tiers is not None and self.tiers.stats.map_full:
+            lost["kv_inodes_full"] = self.tiers.stats.map_full
+        return lost
+
+    def tier_views(self, owners: Mapping[int, list[Tracked]]) -> tuple[TierView, ...]:
+        if self.tiers is None:
+            return ()
+        views = []
+        for tier in self.tiers.tiers.values():
+            s = self.tier_series.get(tier.tier_id, SeriesSet())
+            r = s.rates((sn.RECLAIM_BYTES, sn.POLICY_BYTES, sn.REFAULT_PAGES), RATE_WINDOW)
+            views.append(
+                TierView(
+                    key=f"tier:{tier.tier_id}",
+                    tier_id=tier.tier_id,
+                    name=tier.name,
+                    path=str(tier.path),
+                    source=tier.source,
+                    owners=tuple(sorted(t.pid for t in owners.get(tier.tier_id, ()))),
+                    files=len(tier.files),
+                    totals=TierCounters(
+                        reclaim_bytes=s.last(sn.RECLAIM_BYTES),
+                        policy_bytes=s.last(sn.POLICY_BYTES),
+                        reclaim_pages=s.last(sn.RECLAIM_PAGES),
+                        policy_pages=s.last(sn.POLICY_PAGES),
+                        refault_pages=s.last(sn.REFAULT_PAGES),
+                        added_pages=s.last(sn.ADDED_PAGES),
+                    ),
+                    rates=TierRates(r[sn.RECLAIM_BYTES], r[sn.POLICY_BYTES], r[sn.REFAULT_PAGES]),
+                )
+            )
+        return tuple(views)

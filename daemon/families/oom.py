@@ -6,8 +6,7 @@ from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.view import OomEvent
 from kvwatch.daemon.host.cgroups import parse_cgroup
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
-from kvwatch.daemon.publish import process_labels
-from kvwatch.daemon.tracker import ProcessTracker, Tracked
+from kvwatch.daemon.tracker import ProcessTracker, Tracked, process_labels
 from kvwatch.probes.records import OomKill
 
 

@@ -16,15 +16,15 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.snapshot import ProbeView
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.errors import ProbeError
+from kvwatch.probes.records import HookState
 from kvwatch.probes.uprobes import PerProcessUprobes
 
-UPROBE_CALLS = "uprobe_calls:"  # + family: a process's probed calls, cumulative
-UPROBES_SHED = "uprobes_shed:"  # + family: 1 while the cost budget has its probes detached
-UPROBE_SYMBOLS = "uprobe_symbols:"  # + family: symbols attached in the process now
 P = TypeVar("P", bound=PerProcessUprobes[Any])
 T = TypeVar("T", bound=FamilyTracker)
 
@@ -115,12 +115,50 @@ class UprobeFamily(Generic[P, T]):
                     values.update(extra(t.pid))
                 calls = self.tracker.calls(t.pid)
                 if calls is not None:
-                    values[f"{UPROBE_CALLS}{self.name}"] = calls
+                    values[f"{sn.UPROBE_CALLS}{self.name}"] = calls
                 t.series.add(now, values)
                 gauges = self.tracker.gauges(t.pid)
-                gauges[f"{UPROBES_SHED}{self.name}"] = float(self.tracker.is_shed(t.pid))
-                gauges[f"{UPROBE_SYMBOLS}{self.name}"] = float(self.tracker.symbols_attached(t.pid))
+                gauges[f"{sn.UPROBES_SHED}{self.name}"] = float(self.tracker.is_shed(t.pid))
+                gauges[f"{sn.UPROBE_SYMBOLS}{self.name}"] = float(self.tracker.symbols_attached(t.pid))
                 t.series.set_gauges(gauges)
+
+    # --- what the snapshot shows of the family (frozen data) ------------------------------------
+    def probe_views(self) -> list[ProbeView]:
+        """One per API the family probes: its state across the processes, its hits."""
+        tracker = self.tracker
+        if tracker is not None:
+            states = tracker.api_states()
+            any_attached = bool(tracker.probes.attachments)
+            return [
+                ProbeView(
+                    api.label,
+                    self.name,
+                    f"{api.lib}:{api.symbol}",
+                    states[api.label].value if any_attached else "idle",  # no process of this kind yet
+                    False,
+                    tracker.hits.get(api.label, 0),
+                )
+                for api in tracker.probes.apis
+            ]
+        if not self.enabled:
+            return []
+        failed = HookState.FAILED.value
+        return [
+            ProbeView(a.label, self.name, f"{a.lib}:{a.symbol}", failed, True, 0, self.failure) for a in self.probe_apis
+        ]
+
+    def lost(self) -> dict[str, int]:
+        """Events the family dropped, by where (each key names its family)."""
+        if self.tracker is None:
+            return {}
+        return {k if k.startswith(f"{self.name}_") else f"{self.name}_{k}": v for k, v in self.tracker.lost.items()}
+
+    def pending_releases(self) -> int:
+        return self.probes.program.pending_releases() if self.tracker is not None and self.probes else 0
+
+    def is_shed(self, pid: int) -> bool | None:
+        """Whether the budget has the family detached from the process (None: no family)."""
+        return self.tracker.is_shed(pid) if self.tracker is not None else None
 
     def not_ready(self) -> str | None:
         if self.enabled and self.probes is None:

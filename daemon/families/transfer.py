@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
@@ -97,26 +98,26 @@ class TransferTracker(FamilyTracker):
             return None
         c = self._counters.get(pid)
         out = {
-            "nixl_bytes": 0.0,
-            "nixl_duration_seconds": 0.0,
-            "nixl_completed": 0.0,
-            "nixl_posts": 0.0,
-            "xfer_bytes": 0.0,
+            sn.NIXL_BYTES: 0.0,
+            sn.NIXL_DURATION_SECONDS: 0.0,
+            sn.NIXL_COMPLETED: 0.0,
+            sn.NIXL_POSTS: 0.0,
+            sn.XFER_BYTES: 0.0,
         }
         if c is None:
             return out
         # every byte moved, any library (UCX puts beneath a NIXL post are the post's bytes)
-        out["xfer_bytes"] = float(sum(x.bytes for x in c.xfers.values()))
-        out["nixl_posts"] = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
+        out[sn.XFER_BYTES] = float(sum(x.bytes for x in c.xfers.values()))
+        out[sn.NIXL_POSTS] = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
         now_ns = time.monotonic_ns()
         for p in c.peers:
             if p.lib != "nixl" or now_ns - p.first_ns < self.peer_grace_ns:
                 continue  # a new peer: connection set-up and warm-up are not its bandwidth
             key = (pid, p.lib, p.peer)
             base = self._offsets.setdefault(key, (p.bytes, p.duration_ns, p.completed))
-            out["nixl_bytes"] += p.bytes - base[0]
-            out["nixl_duration_seconds"] += (p.duration_ns - base[1]) / 1e9
-            out["nixl_completed"] += p.completed - base[2]
+            out[sn.NIXL_BYTES] += p.bytes - base[0]
+            out[sn.NIXL_DURATION_SECONDS] += (p.duration_ns - base[1]) / 1e9
+            out[sn.NIXL_COMPLETED] += p.completed - base[2]
         return out
 
     def gauges(self, pid: int) -> dict[str, float]:
@@ -131,9 +132,9 @@ class TransferTracker(FamilyTracker):
         }
         waiting = [f for f in self._in_flight.get(pid, ()) if f.peer in mature]
         return {
-            "nixl_in_flight": float(len(waiting)),
-            "nixl_in_flight_bytes": float(sum(f.bytes for f in waiting)),
-            "nixl_in_flight_seconds": sum(max(now_ns - f.start_ns, 0) for f in waiting) / 1e9,
+            sn.NIXL_IN_FLIGHT: float(len(waiting)),
+            sn.NIXL_IN_FLIGHT_BYTES: float(sum(f.bytes for f in waiting)),
+            sn.NIXL_IN_FLIGHT_SECONDS: sum(max(now_ns - f.start_ns, 0) for f in waiting) / 1e9,
         }
 
     def state(self, pid: int) -> TransferProcessState | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kvwatch.daemon.engines.metrics import parse_exposition
 from kvwatch.daemon.engines.views import EnginePlan, EngineView, TierReading
-from kvwatch.daemon.snapshot import ProcessView, Snapshot
+from kvwatch.daemon.snapshot import MemoryCounters, ProcessRates, ProcessView, Snapshot
 from kvwatch.exporters.prom_engine_tiers import tier_families
 
 from tests.tools.engine_metrics_fixtures import TIER_VALUES
@@ -118,7 +118,16 @@ def test_dynamo_kvbm_directions() -> None:
 
 
 def exported(view: EngineView) -> dict[tuple[str, str, str], float]:
-    p = ProcessView(key="1@1", pid=1, labels={"pid": "1"}, source="test", alive=True, totals={}, rates={}, engine=view)
+    p = ProcessView(
+        key="1@1",
+        pid=1,
+        labels={"pid": "1"},
+        source="test",
+        alive=True,
+        memory=MemoryCounters(),
+        rates=ProcessRates(),
+        engine=view,
+    )
     snap = replace(Snapshot.empty(), processes=(p,))
     return {
         (s.name, s.labels["tier"], s.labels["source"] + ":" + s.labels.get("unit", "")): s.value

@@ -31,16 +31,20 @@ from kvwatch.daemon.engines.views import (
     TargetState,
     TierReading,
 )
-from kvwatch.daemon.publish import CUDA_API_CLASSES
+from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
 from kvwatch.daemon.snapshot import (
     Alert,
     CudaView,
     FamilyCost,
+    MemoryCounters,
     ProbeView,
+    ProcessRates,
     ProcessView,
     ProgramRuns,
     SelfCostView,
     Snapshot,
+    TierCounters,
+    TierRates,
     TierView,
     TransferView,
 )
@@ -234,14 +238,8 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 labels={"pid": "4242", **LABELS},
                 source="rule",
                 alive=True,
-                totals={
-                    "page_free_pages": 2311.0,
-                    "direct_reclaim_seconds": 0.25,
-                    "direct_reclaim_count": 3.0,
-                    "memcg_reclaim_seconds": 1.5,
-                    "memcg_reclaim_count": 17.0,
-                },
-                rates={},
+                memory=MemoryCounters(2311.0, 0.25, 3.0, 1.5, 17.0),
+                rates=ProcessRates(),
                 gpu_used_bytes=80 * 2**30,
                 cuda=CudaView(
                     api_classes=CUDA_API_CLASSES,
@@ -301,8 +299,8 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 },
                 source="manual",
                 alive=True,
-                totals={"page_free_pages": 0.0},
-                rates={},
+                memory=MemoryCounters(),
+                rates=ProcessRates(),
             ),
         ),
         tiers=(
@@ -314,8 +312,8 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 source="lmcache",
                 owners=(4242,),
                 files=123,
-                totals={"reclaim_bytes": 4096.0 * 1000, "policy_bytes": 4096.0 * 7, "refault_pages": 250.0},
-                rates={},
+                totals=TierCounters(reclaim_bytes=4096.0 * 1000, policy_bytes=4096.0 * 7, refault_pages=250.0),
+                rates=TierRates(),
             ),
         ),
         alerts=(

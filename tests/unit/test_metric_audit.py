@@ -13,7 +13,7 @@ from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.engines.audit import BLOCK_BYTES, COPY_PROBES, AuditSettings, ProcessAudit, divergence, diverges
+from kvwatch.daemon.engines.audit import AuditSettings, Evidence, ProcessAudit, divergence, diverges
 from kvwatch.daemon.engines.metrics import parse_exposition
 from kvwatch.daemon.engines.views import AuditRow
 from kvwatch.daemon.series import CounterSeries, SeriesSet
@@ -26,6 +26,9 @@ MIB = 1 << 20
 SETTINGS = AuditSettings(window_seconds=10.0, tolerance=0.10, floor_bytes=64 * MIB)
 
 
+FULL_EVIDENCE = Evidence(copy_probes=1.0, block_bytes=REAL_BLOCK_BYTES)  # probes attached, block size known
+
+
 def feed(
     seconds: int,
     *,
@@ -33,13 +36,12 @@ def feed(
     copies_share: float = 1.0,
     scrape_every: int = 2,
     bytes_per_second: float = 100 * MIB,
-    gauges: dict[str, float] | None = None,
+    evidence: Evidence = FULL_EVIDENCE,
     lost_at: int | None = None,
 ) -> tuple[ProcessAudit, list[tuple[AuditRow, ...]]]:
     """An engine offloading ``bytes_per_second`` in whole 512 KiB blocks; kvwatch's stream and
     copy probes read every second, the engine's counter every ``scrape_every`` seconds."""
     s = SeriesSet()
-    s.set_gauges({BLOCK_BYTES: REAL_BLOCK_BYTES, COPY_PROBES: 1.0, **(gauges or {})})
     audit = ProcessAudit(SETTINGS)
     rows = []
     blocks_per_second = bytes_per_second / REAL_BLOCK_BYTES
@@ -55,7 +57,7 @@ def feed(
             values["engine_offload_store_bytes"] = int(blocks * engine_share) * float(REAL_BLOCK_BYTES)
             values["engine_offload_load_bytes"] = 0.0
         s.add(float(t), values)
-        rows.append(audit.update(s, float(t)))
+        rows.append(audit.update(s, evidence, float(t)))
     return audit, rows
 
 
@@ -99,7 +101,7 @@ def test_an_engine_reporting_half_its_stores_diverges_on_both_pairs() -> None:
 
 
 def test_copy_probes_missing_or_shed_are_not_judged() -> None:
-    _, rows = feed(41, engine_share=0.5, gauges={COPY_PROBES: 0.0})
+    _, rows = feed(41, engine_share=0.5, evidence=Evidence(copy_probes=0.0, block_bytes=REAL_BLOCK_BYTES))
     last = by_pair(rows[-1])
     assert "offload_store_copies" not in last and last["offload_store_blocks"].diverged
 
@@ -123,7 +125,7 @@ def test_resident_blocks_bound() -> None:
     for t, resident in enumerate([500.0] * 11 + [2600.0] * 11):
         s.set_gauges({"engine_kv_pool_blocks": 2048.0, "kv_resident_blocks:GPU": resident})
         s.add(float(t), {"kv_batches_lost": 0.0})
-        rows = audit.update(s, float(t)) or rows
+        rows = audit.update(s, Evidence(), float(t)) or rows
         if t == 10:
             r = by_pair(rows)["resident_blocks"]
             assert not r.diverged and (r.engine, r.kvwatch) == (2048.0, 500.0)
@@ -172,7 +174,6 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
     pages = [(t, parse_exposition(text, at=t)) for t, text in run["pages"]]
     batches = run["batches"]
     s = SeriesSet()
-    s.set_gauges({BLOCK_BYTES: REAL_BLOCK_BYTES})
     audit = ProcessAudit(AuditSettings(window_seconds=window))
     det = EngineMetricDivergence(MetricDivergenceConfig())
     judged: list[AuditRow] = []
@@ -189,7 +190,7 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
             s.add(pages[p][0], {"engine_offload_store_bytes": sample.offload_store_bytes})
             p += 1
         s.add(t, {"kv_physical_stored_blocks:CPU": float(cpu_stored), "kv_batches_lost": 0.0})
-        rows = audit.update(s, t)
+        rows = audit.update(s, Evidence(block_bytes=REAL_BLOCK_BYTES), t)
         found = det.evaluate(_window(rows))
         if rows and (not judged or rows[0].window != judged[-1].window):
             judged.append(rows[0])

@@ -7,8 +7,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvwatch.daemon.engines.views import EnginePlan, EngineView, LossTotal, MediumTotals, StreamSpec, StreamStats
-from kvwatch.daemon.publish import CUDA_API_CLASSES
-from kvwatch.daemon.snapshot import Alert, CudaView, ProcessView, Snapshot, TierView
+from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
+from kvwatch.daemon.snapshot import (
+    Alert,
+    CudaView,
+    MemoryCounters,
+    ProcessRates,
+    ProcessView,
+    Snapshot,
+    TierCounters,
+    TierRates,
+    TierView,
+)
 from kvwatch.exporters.record import LANE_NAMES, MIB, Lane, TraceRecorder, write_trace
 from kvwatch.probes.records import ApiCounters, TransferDone
 
@@ -25,8 +35,8 @@ def snap(t: float, allocs: int, evicted: int, alerts: tuple[Alert, ...] = ()) ->
         labels={"pid": "7", "engine": "vllm", "role": "decode", "component": "", "container": "", "pod": "ns/p"},
         source="rule",
         alive=True,
-        totals={"page_free_pages": 10.0 * t, "direct_reclaim_seconds": 0.001 * t, "memcg_reclaim_seconds": 0.0},
-        rates={},
+        memory=MemoryCounters(page_free_pages=10.0 * t, direct_reclaim_seconds=0.001 * t),
+        rates=ProcessRates(),
         cuda=CudaView(
             api_classes=CUDA_API_CLASSES,
             apis={"cudaMalloc": ApiCounters(ok=allocs, bytes=allocs * 2 << 20), "cudaFree": ApiCounters(ok=allocs)},
@@ -45,8 +55,8 @@ def snap(t: float, allocs: int, evicted: int, alerts: tuple[Alert, ...] = ()) ->
         source="config",
         owners=(7,),
         files=1,
-        totals={"reclaim_pages": float(evicted), "policy_pages": 0.0, "refault_pages": 0.0},
-        rates={},
+        totals=TierCounters(reclaim_pages=float(evicted)),
+        rates=TierRates(),
     )
     return Snapshot(
         wall_time=T0_WALL + t - 5,

@@ -4,11 +4,12 @@ synthetic ticks: a process's probed calls and CPU time, the per-call cost given.
 from __future__ import annotations
 
 import pytest
+from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.families.cost import COST_RATIO, Sample, SelfCost, hot_apis
+from kvwatch.daemon.families.cost import Sample, SelfCost, hot_apis
 from kvwatch.daemon.series import SeriesSet
 
 CONFIG = SelfCostConfig(budget=0.01, window_seconds=2.0, windows=3, backoff_seconds=10.0, backoff_max_seconds=25.0)
@@ -121,7 +122,7 @@ def test_hot_apis() -> None:
 
 def test_shed_detector() -> None:
     s = SeriesSet()
-    s.set_gauges({"uprobes_shed:cuda": 1.0, "uprobes_shed:transfer": 0.0, COST_RATIO: 0.02})
+    s.set_gauges({"uprobes_shed:cuda": 1.0, "uprobes_shed:transfer": 0.0, sn.UPROBE_COST_RATIO: 0.02})
     p = ProcessWindow(Subject("k", {"pid": "7"}), 10.0, s)
     (f,) = ProbeShed().evaluate(NodeView(now=0.0, processes={"k": p}, tiers={}))
     assert f.firing and f.cause == "cuda" and "2.0%" in f.summary

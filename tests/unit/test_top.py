@@ -12,8 +12,20 @@ from typing import Any
 import msgspec
 import pytest
 from kvwatch.daemon.engines.views import EnginePlan, EngineView
-from kvwatch.daemon.publish import CUDA_API_CLASSES
-from kvwatch.daemon.snapshot import Alert, CudaView, ProbeView, ProcessView, Snapshot, TierView, TransferView
+from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
+from kvwatch.daemon.snapshot import (
+    Alert,
+    CudaView,
+    MemoryCounters,
+    ProbeView,
+    ProcessRates,
+    ProcessView,
+    Snapshot,
+    TierCounters,
+    TierRates,
+    TierView,
+    TransferView,
+)
 from kvwatch.exporters.top import DaemonSource, SourceError, ViewState, print_once
 from kvwatch.exporters.top_model import API_PATH, TopFrame, build_frame, decode, encode
 from kvwatch.probes.records import ApiCounters
@@ -37,8 +49,8 @@ def proc(pid: int, engine: str = "vllm", **kw: Any) -> ProcessView:
         labels=labels,
         source="rule",
         alive=kw.pop("alive", True),
-        totals={},
-        rates=kw.pop("rates", {}),
+        memory=MemoryCounters(),
+        rates=kw.pop("rates", ProcessRates()),
         **kw,
     )
 
@@ -79,19 +91,18 @@ def snapshot() -> Snapshot:
         101,
         role="prefill",
         pod="ns/vllm-0",
-        rates={
-            "cuda_alloc_calls": 37.0,
-            "cuda_alloc_bytes": 37 * 2 * MIB,
-            "cuda_free_calls": 36.0,
-            "page_free_pages": 2311.0,
-            "direct_reclaim_seconds": 0.010,
-            "memcg_reclaim_seconds": 0.0025,
-            "xfer_bytes": 512 * MIB,
-            "kv_removed_blocks:GPU": 40.0,
-            "kv_removed_blocks:CPU": 2.0,
-            "kv_lost_bytes:gpu:evicted": 20 * MIB,  # the loss ledger: 21 MiB/s, most of it evicted from the GPU
-            "kv_lost_bytes:cpu:offload_dropped": MIB,
-        },
+        rates=ProcessRates(
+            cuda_alloc_calls=37.0,
+            cuda_alloc_bytes=37 * 2 * MIB,
+            cuda_free_calls=36.0,
+            page_free_pages=2311.0,
+            direct_reclaim_seconds=0.010,
+            memcg_reclaim_seconds=0.0025,
+            xfer_bytes=512 * MIB,
+            kv_removed_blocks={"GPU": 40.0, "CPU": 2.0},
+            # the loss ledger: 21 MiB/s, most of it evicted from the GPU
+            kv_lost_bytes={("gpu", "evicted"): 20 * MIB, ("cpu", "offload_dropped"): MIB},
+        ),
         cuda=cuda(23 * 20 * MIB, 4 * MIB),
         transfers=xfer(1024 * MIB),
         gpu_used_bytes=8 * 1024 * MIB,
@@ -107,8 +118,8 @@ def snapshot() -> Snapshot:
             regret_ratio={"GPU": 0.125, "CPU": 0.5},  # the worst medium is shown
         ),
     )
-    b = proc(202, engine="sglang", rates={"cuda_alloc_calls": 1.0})
-    gone = proc(303, alive=False, rates={"cuda_alloc_calls": 999.0})
+    b = proc(202, engine="sglang", rates=ProcessRates(cuda_alloc_calls=1.0))
+    gone = proc(303, alive=False, rates=ProcessRates(cuda_alloc_calls=999.0))
     tier = TierView(
         key="tier:3",
         tier_id=3,
@@ -117,8 +128,8 @@ def snapshot() -> Snapshot:
         source="config",
         owners=(101,),
         files=4,
-        totals={},
-        rates={"reclaim_bytes": 3 * MIB, "policy_bytes": MIB},
+        totals=TierCounters(),
+        rates=TierRates(reclaim_bytes=3 * MIB, policy_bytes=MIB),
     )
     return Snapshot(
         wall_time=1_700_000_000.0,

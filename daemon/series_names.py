@@ -1,0 +1,209 @@
+"""Every per-process (and per-tier) series kvwatch keeps, named once: who writes it, who reads it.
+
+A tick's steps write what they measured into each watched process's ``SeriesSet`` (cumulative
+counters and point-in-time gauges); the detectors, the audit and the snapshot read them back
+over windows. The names below are that contract: code writes and reads the constants, never a
+string of its own, and ``tests/unit/test_series_names.py`` holds every module to it (each name
+written by its writer, read only by its readers, and read by someone). A name ending in ``:`` is
+a prefix: the series is that prefix and a key (a medium, a family, ``tier:cause``).
+
+Modules are named from ``kvwatch.daemon`` down (``engines.taps``). Exporters read no series:
+they read the snapshot's typed fields (``snapshot.py``), which ``publish`` fills from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COUNTER, GAUGE = "counter", "gauge"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    kind: str  # counter (cumulative: read as deltas and rates over windows) / gauge (the latest value)
+    writer: str
+    readers: tuple[str, ...]
+    doc: str
+
+
+CATALOGUE: dict[str, Entry] = {}
+
+
+def _declare(name: str, kind: str, writer: str, readers: tuple[str, ...], doc: str) -> str:
+    if name in CATALOGUE:
+        raise ValueError(f"series {name!r} declared twice")
+    CATALOGUE[name] = Entry(name, kind, writer, readers, doc)
+    return name
+
+
+# --- kernel memory (families.memory), per process --------------------------------------------------
+_MEM = "families.memory"
+PAGE_FREE_PAGES = _declare("page_free_pages", COUNTER, _MEM, ("publish",), "pages the process released")
+DIRECT_RECLAIM_SECONDS = _declare(
+    "direct_reclaim_seconds", COUNTER, _MEM, ("detectors.host_tier", "publish"), "stalled in global direct reclaim"
+)
+DIRECT_RECLAIM_COUNT = _declare("direct_reclaim_count", COUNTER, _MEM, ("publish",), "global direct reclaim episodes")
+MEMCG_RECLAIM_SECONDS = _declare(
+    "memcg_reclaim_seconds", COUNTER, _MEM, ("detectors.host_tier", "publish"), "stalled in memcg-limit reclaim"
+)
+MEMCG_RECLAIM_COUNT = _declare("memcg_reclaim_count", COUNTER, _MEM, ("publish",), "memcg-limit reclaim episodes")
+
+# --- kernel memory (families.memory), per KV tier (a directory of KV files) -----------------------------
+_TIER_READERS = ("detectors.host_tier", "engines.losses", "families.memory")
+RECLAIM_BYTES = _declare("reclaim_bytes", COUNTER, _MEM, _TIER_READERS, "tier page cache reclaimed by the kernel")
+POLICY_BYTES = _declare("policy_bytes", COUNTER, _MEM, _TIER_READERS, "tier page cache dropped by file deletion")
+RECLAIM_PAGES = _declare("reclaim_pages", COUNTER, _MEM, _TIER_READERS, "tier pages reclaimed")
+POLICY_PAGES = _declare("policy_pages", COUNTER, _MEM, ("families.memory",), "tier pages dropped by deletion")
+REFAULT_PAGES = _declare("refault_pages", COUNTER, _MEM, _TIER_READERS, "tier pages read back after reclaim")
+ADDED_PAGES = _declare("added_pages", COUNTER, _MEM, ("families.memory",), "tier pages added to the page cache")
+
+# --- CUDA (families.cuda) --------------------------------------------------------------------------------
+_CUDA = "families.cuda"
+_ALLOCATOR = ("detectors.reuse_collapse", "publish")
+CUDA_ALLOC_CALLS = _declare("cuda_alloc_calls", COUNTER, _CUDA, _ALLOCATOR, "segment allocations that succeeded")
+CUDA_FREE_CALLS = _declare("cuda_free_calls", COUNTER, _CUDA, _ALLOCATOR, "segment frees that succeeded")
+CUDA_ALLOC_BYTES = _declare("cuda_alloc_bytes", COUNTER, _CUDA, _ALLOCATOR, "bytes allocated")
+CUDA_FREED_BYTES = _declare("cuda_freed_bytes", COUNTER, _CUDA, _ALLOCATOR, "bytes freed (known sizes)")
+CUDA_ALLOC_FAILURES = _declare(
+    "cuda_alloc_failures", COUNTER, _CUDA, ("detectors.reuse_collapse",), "segment allocations that failed"
+)
+CUDA_FREES_AFTER_FAILURE = _declare(
+    "cuda_frees_after_failure", COUNTER, _CUDA, ("detectors.reuse_collapse",), "frees soon after a failure"
+)
+CUDA_CLUSTERED_FREES = _declare(
+    "cuda_clustered_frees", COUNTER, _CUDA, ("detectors.reuse_collapse",), "frees in bursts (empty_cache)"
+)
+CUDA_SEG_2M = _declare("cuda_seg_2m", COUNTER, _CUDA, ("detectors.reuse_collapse",), "2 MiB segments allocated")
+CUDA_SEG_20M = _declare("cuda_seg_20m", COUNTER, _CUDA, ("detectors.reuse_collapse",), "20 MiB segments allocated")
+CUDA_MAX_ALLOC = _declare("cuda_max_alloc", GAUGE, _CUDA, ("detectors.reuse_collapse",), "largest allocation")
+_COPY_READERS = ("detectors.eviction_burst", "engines.taps")
+CUDA_COPY_H2D_BYTES = _declare("cuda_copy_h2d_bytes", COUNTER, _CUDA, _COPY_READERS, "host-to-device bytes copied")
+CUDA_COPY_D2H_BYTES = _declare("cuda_copy_d2h_bytes", COUNTER, _CUDA, _COPY_READERS, "device-to-host bytes copied")
+GPU_DEVICE_TOTAL_BYTES = _declare(
+    "gpu_device_total_bytes", GAUGE, "agent", ("detectors.reuse_collapse",), "the largest GPU's memory (NVML)"
+)
+GPU_USED_BYTES = _declare("gpu_used_bytes", GAUGE, "agent", ("detectors.reuse_collapse",), "GPU memory held (NVML)")
+
+# --- a uprobe family of the process (families.runner): "+ family" --------------------------------------------
+_RUNNER = "families.runner"
+UPROBE_CALLS = _declare("uprobe_calls:", COUNTER, _RUNNER, ("families.cost",), "probed calls of the family")
+UPROBES_SHED = _declare(
+    "uprobes_shed:", GAUGE, _RUNNER, ("detectors.probe_shed", "engines.taps"), "1 while the budget has them detached"
+)
+UPROBE_SYMBOLS = _declare("uprobe_symbols:", GAUGE, _RUNNER, ("engines.taps",), "the family's symbols attached")
+UPROBE_COST_RATIO = _declare(
+    "uprobe_cost_ratio", GAUGE, "families.cost", ("detectors.probe_shed",), "uprobes' cost over the process's CPU"
+)
+
+# --- KV transfers (families.transfer) -----------------------------------------------------------------------
+_XFER = "families.transfer"
+_XFER_READERS = ("detectors.transfer_collapse",)
+NIXL_POSTS = _declare("nixl_posts", COUNTER, _XFER, _XFER_READERS, "NIXL transfer requests posted")
+NIXL_COMPLETED = _declare("nixl_completed", COUNTER, _XFER, _XFER_READERS, "NIXL transfers completed")
+NIXL_BYTES = _declare("nixl_bytes", COUNTER, _XFER, (*_XFER_READERS, "publish"), "bytes of completed transfers")
+NIXL_DURATION_SECONDS = _declare(
+    "nixl_duration_seconds", COUNTER, _XFER, (*_XFER_READERS, "publish"), "summed per-transfer completion times"
+)
+NIXL_IN_FLIGHT = _declare("nixl_in_flight", GAUGE, _XFER, _XFER_READERS, "transfers posted, not completed")
+NIXL_IN_FLIGHT_BYTES = _declare("nixl_in_flight_bytes", GAUGE, _XFER, _XFER_READERS, "their bytes")
+NIXL_IN_FLIGHT_SECONDS = _declare("nixl_in_flight_seconds", GAUGE, _XFER, _XFER_READERS, "their time so far")
+XFER_BYTES = _declare("xfer_bytes", COUNTER, _XFER, ("publish",), "bytes moved by every transfer library")
+
+# --- the engine's KV event stream (engines.taps): logical counts per medium, "+ medium" ---------------------
+_TAPS = "engines.taps"
+KV_STORED = _declare(
+    "kv_stored_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "blocks stored (the reference group's)"
+)
+KV_REMOVED = _declare("kv_removed_blocks:", COUNTER, _TAPS, ("detectors.eviction_burst", "publish"), "blocks evicted")
+KV_REMOVED_YOUNG = _declare(
+    "kv_removed_young:", COUNTER, _TAPS, ("detectors.eviction_burst",), "evicted soon after being stored"
+)
+KV_REGRETTED = _declare(
+    "kv_regretted_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache", "publish"), "stored again after eviction"
+)
+KV_RESTORED = _declare(
+    "kv_restored_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "stored again while still held"
+)
+KV_ANNOUNCED = _declare(
+    "kv_announced_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "held blocks re-announced (prefix hits)"
+)
+KV_ANNOUNCED_TOKENS = _declare(
+    "kv_announced_tokens:", COUNTER, _TAPS, ("detectors.prefix_cache",), "the hit tokens those stand for"
+)
+KV_PHYSICAL_STORED = _declare(
+    "kv_physical_stored_blocks:", COUNTER, _TAPS, ("engines.audit",), "blocks stored, every KV cache group's"
+)
+KV_WINDOW_BOUNDED = _declare(
+    "kv_window_bounded:", GAUGE, _TAPS, ("detectors.eviction_burst",), "1: the reference group keeps a window only"
+)
+KV_WINDOW_REGRETTED = _declare(
+    "kv_window_regretted_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "a hybrid's first window group's"
+)
+KV_RESIDENT = _declare("kv_resident_blocks:", GAUGE, _TAPS, ("engines.audit",), "blocks held now, every group's")
+KV_CLEARED = _declare(
+    "kv_cleared", COUNTER, _TAPS, ("detectors.eviction_burst", "detectors.prefix_cache"), "AllBlocksCleared events"
+)
+KV_BATCHES_LOST = _declare("kv_batches_lost", COUNTER, _TAPS, ("engines.audit",), "batches missed and not replayed")
+
+# --- the engine's /metrics as the taps read them (engines.taps; names of ``EngineSample.counters``) ----------
+_BURST = ("detectors.eviction_burst",)
+ENGINE_PREFIX_QUERIES = _declare(
+    "engine_prefix_queries", COUNTER, _TAPS, (*_BURST, "detectors.prefix_cache", "publish"), "tokens looked up"
+)
+ENGINE_PREFIX_HITS = _declare(
+    "engine_prefix_hits", COUNTER, _TAPS, (*_BURST, "detectors.prefix_cache", "publish"), "tokens found"
+)
+ENGINE_PREEMPTIONS = _declare(
+    "engine_preemptions",
+    COUNTER,
+    _TAPS,
+    (*_BURST, "detectors.preemption_livelock", "engines.losses"),
+    "requests preempted",
+)
+ENGINE_GENERATION_TOKENS = _declare(
+    "engine_generation_tokens", COUNTER, _TAPS, ("detectors.preemption_livelock",), "tokens generated"
+)
+ENGINE_EVICTED_TOKENS = _declare("engine_evicted_tokens", COUNTER, _TAPS, _BURST, "SGLang radix-cache evictions")
+ENGINE_IDLE_EVICT_SAMPLES = _declare(
+    "engine_idle_evict_samples", COUNTER, _TAPS, _BURST, "vLLM's idle-before-evict samples"
+)
+ENGINE_IDLE_EVICT_YOUNG = _declare(
+    "engine_idle_evict_young", COUNTER, _TAPS, _BURST, "... of which idle less than thrash_seconds"
+)
+LMCACHE_EVICTED_KEYS = _declare("lmcache_evicted_keys", COUNTER, _TAPS, _BURST, "LMCache CPU evictions")
+LMCACHE_HIT_TOKENS = _declare("lmcache_hit_tokens", COUNTER, _TAPS, _BURST, "LMCache hit tokens")
+LMCACHE_REQUESTED_TOKENS = _declare("lmcache_requested_tokens", COUNTER, _TAPS, _BURST, "LMCache requested tokens")
+ENGINE_EXTERNAL_QUERIES = _declare(
+    "engine_external_prefix_queries", COUNTER, _TAPS, _BURST, "tokens looked up in a KV connector's tier"
+)
+ENGINE_EXTERNAL_HITS = _declare("engine_external_prefix_hits", COUNTER, _TAPS, _BURST, "... found there")
+ENGINE_OFFLOAD_STORE_BYTES = _declare(
+    "engine_offload_store_bytes", COUNTER, _TAPS, ("engines.audit",), "bytes the engine says it offloaded"
+)
+ENGINE_OFFLOAD_LOAD_BYTES = _declare(
+    "engine_offload_load_bytes", COUNTER, _TAPS, ("engines.audit",), "bytes it says it loaded back"
+)
+ENGINE_TIER = _declare("kv_tier:", COUNTER, _TAPS, ("publish",), "+ source:tier:quantity:unit, an engine tier counter")
+ENGINE_METRICS_FRESH = _declare("engine_metrics_fresh", GAUGE, _TAPS, _BURST, "1 while the last scrape is recent")
+ENGINE_KV_USAGE = _declare("engine_kv_usage", GAUGE, _TAPS, _BURST, "the engine's KV pool usage, 0..1")
+ENGINE_KV_POOL_BLOCKS = _declare("engine_kv_pool_blocks", GAUGE, _TAPS, ("engines.audit",), "GPU blocks allocated")
+ENGINE_SLEEPING = _declare(
+    "engine_sleeping",
+    GAUGE,
+    _TAPS,
+    (*_BURST, "detectors.prefix_cache", "detectors.reuse_collapse"),
+    "1 while the engine sleeps (its KV pool discarded on purpose)",
+)
+ENGINE_FAMILY_TAPPED = _declare(
+    "engine_family_tapped", GAUGE, _TAPS, _BURST, "1: the process or an ancestor has engine taps"
+)
+FAMILY_COPY_D2H_BYTES = _declare(
+    "family_copy_d2h_bytes", COUNTER, _TAPS, ("engines.audit",), "device-to-host copies of the engine's processes"
+)
+FAMILY_COPY_H2D_BYTES = _declare(
+    "family_copy_h2d_bytes", COUNTER, _TAPS, ("engines.audit",), "host-to-device copies of the engine's processes"
+)
+
+# --- the KV loss ledger (engines.losses): "+ tier:cause" ---------------------------------------------------------
+KV_LOST_BYTES = _declare("kv_lost_bytes:", COUNTER, "engines.losses", ("publish",), "bytes lost, by tier and cause")
