@@ -288,12 +288,12 @@ def percpu_array_sums(table: Table, labels: Sequence[str]) -> dict[str, int]:
 
 
 def sizeof_flags(mirrors: Mapping[str, type[ctypes.Structure]]) -> list[str]:
-    """``-DKVW_SIZEOF_<struct>=<bytes>`` per C struct (by its name) mirrored by a ctypes record.
+    """``-DKVW_SIZEOF_<struct>=<bytes>`` per C struct (by its name) decoded with a ctypes class.
 
-    A ring-buffer record is laid out by the C struct and decoded by its ctypes mirror, two
-    copies kept in step by hand. The program asserts each struct's size against the size
-    passed here (``KVW_MIRRORED`` in common.h), so a field added, dropped or resized on one
-    side only fails the compile with the struct's name instead of decoding garbage."""
+    A ring-buffer record is laid out by the C compiler and decoded by the ctypes class that
+    ``cstruct.read_structs`` built from the same declaration. The program asserts each
+    struct's size against the size passed here (``KVW_MIRRORED`` in common.h), so a layout
+    the two disagree on fails the compile with the struct's name instead of decoding garbage."""
     return [f"-DKVW_SIZEOF_{name}={ctypes.sizeof(record)}" for name, record in mirrors.items()]
 
 

@@ -63,12 +63,14 @@ static __always_inline int kvw_outermost_return(u32 *depth) {
     return 0;
 }
 
-/* A struct that a loader decodes with a ctypes mirror (a ring-buffer record) is checked
- * against it at compile time: the loader passes the mirror's size as
- * -DKVW_SIZEOF_<struct name>, so a field added, dropped or resized on one side only fails
- * the compile, naming the struct, instead of decoding garbage. */
+/* A struct that a loader decodes (a ring-buffer record) is declared in C only, in its
+ * program: the loader builds its ctypes class from that declaration (probes/cstruct.py, which
+ * reads fixed-width integers, int, char and one-dimensional arrays of them, rejecting anything
+ * else). The class's size comes back as -DKVW_SIZEOF_<struct name> and is asserted against
+ * the compiler's, so a layout the reader got wrong (padding, alignment) fails the compile,
+ * naming the struct, instead of decoding garbage. */
 #define KVW_MIRRORED(NAME)                                                                  \
     _Static_assert(sizeof(struct NAME) == KVW_SIZEOF_##NAME,                                \
-                   "struct " #NAME " and its ctypes mirror in the loader differ in size")
+                   "struct " #NAME " and its ctypes class in the loader differ in size")
 
 #endif /* KVW_COMMON_H */

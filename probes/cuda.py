@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.cstruct import read_structs
 from kvwatch.probes.libs import CUDART, LIBCUDA, LIBUCM, MappedLibrary, matching
 from kvwatch.probes.records import ApiCounters
 from kvwatch.probes.uprobes import PerProcessUprobes, ProcessAttachment, ProcessGoneDuringAttach, UprobeApi
@@ -192,17 +193,9 @@ class CudaSample:
     lost: dict[str, int]
 
 
-class _RawEvent(ctypes.Structure):
-    """Mirror of ``struct cuda_event_t``."""
-
-    _fields_ = (
-        ("type", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("api", ctypes.c_uint32),
-        ("rc", ctypes.c_int32),
-        ("size", ctypes.c_uint64),
-        ("ts_ns", ctypes.c_uint64),
-    )
+# The ring-buffer record, declared in C only: ``struct cuda_event_t`` of SOURCE, read at import.
+RING_STRUCTS = read_structs(program_text(SOURCE), "cuda_event_t")
+_RawEvent = RING_STRUCTS["cuda_event_t"]
 
 
 CudaEvent = AllocationFailed | LargeAllocation
@@ -242,7 +235,7 @@ class CudaProbes(PerProcessUprobes[CudaEvent]):
     source: ClassVar[Path] = SOURCE
     ring_buffer = "cuda_events"
     lost_sources: ClassVar[Sequence[str]] = LOST_SOURCES
-    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"cuda_event_t": _RawEvent}
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = RING_STRUCTS
     process_maps: ClassVar[Sequence[str]] = ("api_stats", "ledger", "host_ranges")
     process_map = "proc_cuda"
     thread_maps: ClassVar[Sequence[str]] = ("inflight",)

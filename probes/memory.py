@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from kvwatch.probes import tracefs
 from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_array_sums, percpu_sum, program_text, sizeof_flags
+from kvwatch.probes.cstruct import read_structs
 from kvwatch.probes.errors import ProbeAttachError
 from kvwatch.probes.records import (
     EventBatch,
@@ -89,22 +90,9 @@ _PROC_FIELDS = (
 _TIER_FIELDS = ("reclaim_pages", "policy_pages", "added_pages", "refault_pages")
 
 
-class _RawEvent(ctypes.Structure):
-    """Mirror of ``struct kvw_event_t``."""
-
-    _fields_ = (
-        ("type", ctypes.c_uint32),
-        ("pid", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("aux", ctypes.c_uint32),
-        ("ts_ns", ctypes.c_uint64),
-        ("a", ctypes.c_uint64),
-        ("b", ctypes.c_uint64),
-        ("c", ctypes.c_uint64),
-        ("d", ctypes.c_uint64),
-        ("comm", ctypes.c_char * 16),
-        ("name", ctypes.c_char * 64),
-    )
+# The ring-buffer record, declared in C only: ``struct kvw_event_t`` of SOURCE, read at import.
+RING_STRUCTS = read_structs(program_text(SOURCE), "kvw_event_t")
+_RawEvent = RING_STRUCTS["kvw_event_t"]
 
 
 def _text(raw: bytes) -> str:
@@ -159,7 +147,7 @@ class MemoryProbes:
     """The kernel-memory family: one BPF program, many tracepoints."""
 
     family = FAMILY
-    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"kvw_event_t": _RawEvent}  # C struct name -> mirror
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = RING_STRUCTS
 
     def __init__(
         self,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_sum, program_text
+from kvwatch.probes.cstruct import read_structs
 from kvwatch.probes.records import NBUCKETS, TransferDone, XferCounters
 from kvwatch.probes.uprobes import PerProcessUprobes, UprobeApi
 
@@ -132,20 +133,9 @@ class TransferSample:
     in_flight: dict[int, tuple[InFlight, ...]]  # by TGID
 
 
-class _RawEvent(ctypes.Structure):
-    """Mirror of ``struct xfer_event_t``."""
-
-    _fields_ = (
-        ("tgid", ctypes.c_uint32),
-        ("lib", ctypes.c_uint16),
-        ("op", ctypes.c_uint16),
-        ("bytes", ctypes.c_uint64),
-        ("start_ns", ctypes.c_uint64),
-        ("end_ns", ctypes.c_uint64),
-        ("ep", ctypes.c_uint64),
-        ("status", ctypes.c_int32),
-        ("pad", ctypes.c_uint32),
-    )
+# The ring-buffer record, declared in C only: ``struct xfer_event_t`` of SOURCE, read at import.
+RING_STRUCTS = read_structs(program_text(SOURCE), "xfer_event_t")
+_RawEvent = RING_STRUCTS["xfer_event_t"]
 
 
 def decode_event(data: bytes) -> TransferDone:
@@ -172,7 +162,7 @@ class TransferProbes(PerProcessUprobes[TransferDone]):
     source: ClassVar[Path] = SOURCE
     ring_buffer = "xfer_events"
     lost_sources: ClassVar[Sequence[str]] = LOST_SOURCES
-    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {"xfer_event_t": _RawEvent}
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = RING_STRUCTS
     process_maps: ClassVar[Sequence[str]] = ("xfer_stats", "peers", "pending", "mr_ledger")
     process_map = "proc_xfer"
     thread_maps: ClassVar[Sequence[str]] = ("call_inflight", "post_inflight", "status_inflight")

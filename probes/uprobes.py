@@ -89,7 +89,7 @@ class PerProcessUprobes(Generic[E]):
     source: ClassVar[Path]  # the BPF program
     ring_buffer: ClassVar[str] = ""  # the program's ring buffer of events
     lost_sources: ClassVar[Sequence[str]] = ()  # in-kernel loss counters, in index order
-    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {}  # C struct name -> its ctypes mirror
+    mirrors: ClassVar[Mapping[str, type[ctypes.Structure]]] = {}  # C struct name -> ctypes class read from it
     process_maps: ClassVar[Sequence[str]] = ()  # maps whose key struct has a tgid field
     process_map: ClassVar[str] = ""  # the map keyed by the TGID alone
     thread_maps: ClassVar[Sequence[str]] = ()  # calls in flight, keyed by pid_tgid (TGID in the high half)
@@ -116,7 +116,7 @@ class PerProcessUprobes(Generic[E]):
 
     def cflags(self) -> list[str]:
         """Every -D flag the program is compiled with: the hit and loss counters' sizes, the
-        family's own flags, the loss indices and the sizes of the ctypes mirrors."""
+        family's own flags, the loss indices and the sizes of the ring-buffer records' ctypes classes."""
         flags = [f"-DKVW_NR_HITS={len(self.apis)}", f"-DKVW_NR_LOST={len(self.lost_sources)}"]
         flags += self.program_flags()
         flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(self.lost_sources)]

@@ -1,8 +1,8 @@
-"""Each ring-buffer record's C struct is checked against its ctypes mirror when the program compiles.
+"""Each ring-buffer record's C struct is checked against the ctypes class read from it when the program compiles.
 
-The loaders pass every mirror's size as ``-DKVW_SIZEOF_<struct>`` and the programs assert
-``sizeof`` against it (``KVW_MIRRORED`` in probes/common.h): with the sizes as they are every program loads,
-and a mirror that gained a field fails the compile, naming the struct.
+The loaders pass every class's size as ``-DKVW_SIZEOF_<struct>`` and the programs assert
+``sizeof`` against it (``KVW_MIRRORED`` in probes/common.h): with the classes as probes/cstruct.py reads them
+every program loads, and a class laid out differently (one field more) fails the compile, naming the struct.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ Family = tuple[Path, list[str], Mapping[str, type[ctypes.Structure]]]
 
 
 def family(name: str) -> Family:
-    """The family's program, the flags its loader compiles it with, and its mirrors."""
+    """The family's program, the flags its loader compiles it with, and its records' ctypes classes."""
     if name == "memory":
         m = memory.MemoryProbes()
         hooks, _ = m.plan()
@@ -53,4 +53,4 @@ def test_a_mirror_out_of_step_fails_the_compile_naming_the_struct(name: str, cap
         with pytest.raises(ProbeCompileError):
             Program(source, wrong)
         err = capfd.readouterr().err
-        assert f"struct {struct} and its ctypes mirror in the loader differ in size" in err, err[-2000:]
+        assert f"struct {struct} and its ctypes class in the loader differ in size" in err, err[-2000:]
