@@ -27,7 +27,7 @@ from pathlib import Path
 import zmq
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import StreamSpec
-from kvwatch.daemon.engines.wire import Layout, encode_batch, removed, stored
+from kvwatch.daemon.lab.wire_encode import Layout, encode_batch, removed, stored
 
 STORED_PER_BATCH, BLOCKS_PER_STORE, REMOVED_PER_BATCH = 8, 4, 16
 EVENTS = STORED_PER_BATCH + REMOVED_PER_BATCH

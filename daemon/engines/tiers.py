@@ -1,6 +1,6 @@
 """One KV-tier schema across engines: their own tier counters read into (source, tier,
 quantity, unit) readings, exported as ``kvwatch_engine_kv_tier_*`` (docs/architecture.md,
-"KV tiers as the engines count them"; the README's table says which engine feeds which).
+"KV tiers as the engines count them"; docs/engines.md says which engine feeds which).
 
 Tiers: ``cpu`` (host DRAM: vLLM's OffloadingConnector, LMCache local CPU / L1, SGLang HiCache
 host pool, Dynamo KVBM host), ``disk`` (Dynamo KVBM disk, LMCache local disk), ``remote``

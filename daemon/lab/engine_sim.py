@@ -21,10 +21,10 @@ import threading
 from dataclasses import asdict
 from typing import Any
 
-from kvwatch.daemon.engines.wire import Layout
 from kvwatch.daemon.lab.engine_sim_http import Server
 from kvwatch.daemon.lab.engine_sim_pool import BLOCK, BlockPool, CpuTier, PoolStats, Scheduler, SimRequest
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
+from kvwatch.daemon.lab.wire_encode import Layout
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 LABELS = ("model_name", "engine")

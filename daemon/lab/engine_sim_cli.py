@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvwatch.daemon.engines.wire import Layout
 from kvwatch.daemon.lab.engine_sim import BLOCK_BYTES, SimulatedVllm
+from kvwatch.daemon.lab.wire_encode import Layout
 
 
 @dataclass(slots=True)

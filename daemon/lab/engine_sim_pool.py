@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwatch.daemon.engines.wire import cleared, removed, stored
+from kvwatch.daemon.lab.wire_encode import cleared, removed, stored
 
 BLOCK = 16
 _MASK = (1 << 64) - 1

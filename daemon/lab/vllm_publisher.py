@@ -24,7 +24,8 @@ from typing import Any
 
 import msgspec
 import zmq
-from kvwatch.daemon.engines.wire import END_SEQ, SEQ_BYTES, Layout, encode_batch
+from kvwatch.daemon.engines.wire import END_SEQ, SEQ_BYTES
+from kvwatch.daemon.lab.wire_encode import Layout, encode_batch
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import EnginePlan, EngineView
+from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.exporters.record import TraceRecorder
 
@@ -50,7 +50,7 @@ def script() -> list[tuple[float, list[dict[str, Any]]]]:
         lora = "support-bot" if i == 0 else None
         first = [*(["support-bot"] if lora else []), ["mm-0f3a", 4], salt] if i == 0 else [salt]
         evs = [
-            w.stored(
+            we.stored(
                 hashes,
                 list(range(48)),
                 group_idx=g,
@@ -79,7 +79,7 @@ def stand_in() -> Iterator[subprocess.Popen[bytes]]:
 
 def test_salts_are_counted_never_shown(stand_in: Any, tmp_path: Path) -> None:
     port = free_port()
-    pub = WirePublisher(f"tcp://127.0.0.1:{port}", layout=w.Layout.V0_26)
+    pub = WirePublisher(f"tcp://127.0.0.1:{port}", layout=we.Layout.V0_26)
     pid = str(stand_in.pid)
     try:
         with daemon(tmp_path, CONFIG.format(marker=stand_in.marker, kv=f"tcp://127.0.0.1:{port}")) as d:

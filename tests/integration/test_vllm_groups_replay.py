@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.engines import wire as w
+from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.integration.test_vllm_replay import Pages, _onsets, serve
@@ -69,13 +69,13 @@ def events(records: list[list[Any]], kinds: dict[str, dict[str, list[Any]]]) -> 
     out: list[dict[str, Any]] = []
     for kind, medium, bs, parent, group, ids in uncompact(records):
         if kind == "C":
-            out.append(w.cleared())
+            out.append(we.cleared())
         elif kind == "R":
-            out.append(w.removed(ids, medium=medium, group_idx=group))
+            out.append(we.removed(ids, medium=medium, group_idx=group))
         else:
             spec, window = kinds.get(medium, {}).get(str(group), [None, None])
             out.append(
-                w.stored(
+                we.stored(
                     ids,
                     [],
                     medium=medium,
@@ -112,7 +112,7 @@ def test_real_hybrid_vllm_replayed(run: dict[str, Any], stand_in: Any, tmp_path:
     kv_port = free_port()
     pages = Pages(run["pages"])
     srv = serve(pages)
-    pub = WirePublisher(f"tcp://127.0.0.1:{kv_port}", layout=w.Layout.V0_26, topic="kv")
+    pub = WirePublisher(f"tcp://127.0.0.1:{kv_port}", layout=we.Layout.V0_26, topic="kv")
     config = CONFIG.format(
         marker=stand_in.marker, kv=f"tcp://127.0.0.1:{kv_port}", url=f"http://127.0.0.1:{srv.server_port}/metrics"
     )

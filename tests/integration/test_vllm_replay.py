@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.engines.wire import Layout, cleared, removed, stored
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
+from kvwatch.daemon.lab.wire_encode import Layout, cleared, removed, stored
 
 from tests.privileged.helpers import DaemonProcess, daemon, free_port, wait_until
 from tests.tools.vllm_run_fixtures import uncompact

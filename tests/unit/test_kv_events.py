@@ -22,13 +22,14 @@ from hypothesis import strategies as st
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
 from tests.privileged.helpers import free_port, wait_until
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "kv_events"
 CAPTURES = sorted(FIXTURES.glob("vllm-*.json"))
-LAYOUT = {"0.9.2": w.Layout.V0_9, "0.11.0": w.Layout.V0_11, "0.26.0": w.Layout.V0_26, "0.33.0": w.Layout.V0_33}
+LAYOUT = {"0.9.2": we.Layout.V0_9, "0.11.0": we.Layout.V0_11, "0.26.0": we.Layout.V0_26, "0.33.0": we.Layout.V0_33}
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def test_encoder_matches_vllm_byte_for_byte(path: Path) -> None:
     layout = LAYOUT[cap["vllm_version"]]
     for batch, msg in zip(cap["batches"], frames(cap), strict=True):
         assert msg[0] == cap["topic"].encode()
-        mine = w.encode_batch(layout, batch["ts"], unjson(batch["events"]), cap["data_parallel_rank"])
+        mine = we.encode_batch(layout, batch["ts"], unjson(batch["events"]), cap["data_parallel_rank"])
         assert mine == msg[2]
 
 
@@ -224,7 +225,7 @@ def test_idle_hub_sleeps_then_takes_new_streams() -> None:
 
 
 def stored_events(n: int, first: int = 0) -> list[list[dict[str, Any]]]:
-    return [[w.stored([first + i], list(range(16)))] for i in range(n)]
+    return [[we.stored([first + i], list(range(16)))] for i in range(n)]
 
 
 def test_gap_replayed_then_lost_then_publisher_restart(hub: KVEventHub) -> None:
@@ -283,12 +284,12 @@ def test_gap_replayed_then_lost_then_publisher_restart(hub: KVEventHub) -> None:
 def test_young_removals_from_engine_timestamps(hub: KVEventHub) -> None:
     with one_stream(hub) as (spec, pub):
         t0 = 1_000_000.0
-        pub.publish([w.stored(list(range(10)), list(range(160)))], ts=t0)
-        pub.publish([w.removed([0, 1, 2])], ts=t0 + 1.0)  # 1 s old: young (thrash_seconds 5)
-        pub.publish([w.removed([3, 4])], ts=t0 + 60.0)  # a minute old: not young
-        pub.publish([w.removed([999])], ts=t0 + 61.0)  # never seen stored: not young
-        pub.publish([w.cleared()], ts=t0 + 62.0)
-        pub.publish([w.removed([5])], ts=t0 + 62.5)  # the reset forgot its store time
+        pub.publish([we.stored(list(range(10)), list(range(160)))], ts=t0)
+        pub.publish([we.removed([0, 1, 2])], ts=t0 + 1.0)  # 1 s old: young (thrash_seconds 5)
+        pub.publish([we.removed([3, 4])], ts=t0 + 60.0)  # a minute old: not young
+        pub.publish([we.removed([999])], ts=t0 + 61.0)  # never seen stored: not young
+        pub.publish([we.cleared()], ts=t0 + 62.0)
+        pub.publish([we.removed([5])], ts=t0 + 62.5)  # the reset forgot its store time
         assert pub.flush()
         wait_until(lambda: stats_of(hub, spec).batches == 6, 10, "batches")
         m = stats_of(hub, spec).media["GPU"]
@@ -301,7 +302,7 @@ def test_every_bad_message_counted_and_the_stream_goes_on(hub: KVEventHub) -> No
     ctx = zmq.Context()
     raw = xpub(ctx, port)
     spec = StreamSpec(f"tcp://127.0.0.1:{port}")
-    good = w.encode_batch(w.Layout.V0_33, 1.0, [w.removed([1, 2])])
+    good = we.encode_batch(we.Layout.V0_33, 1.0, [we.removed([1, 2])])
     unknown = msgspec.msgpack.encode(
         [1.0, [{"type": "BlockMoved", "x": 1}, {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}], 0]
     )

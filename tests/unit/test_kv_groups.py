@@ -17,6 +17,7 @@ from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_GROUPS, MediumGroups
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import OTHER_GROUP, GroupTotals, StreamStats
+from kvwatch.daemon.lab import wire_encode as we
 
 from tests.unit.test_kv_events import script_stats
 
@@ -31,7 +32,7 @@ def per_group(
 ) -> list[dict[str, Any]]:
     """One block range announced once per group, as vLLM's coordinator caches it."""
     return [
-        w.stored(
+        we.stored(
             hashes,
             list(range(len(hashes) * BS)),
             parent=parent,
@@ -45,7 +46,7 @@ def per_group(
 
 
 def gone(hashes: list[int], groups: range) -> list[dict[str, Any]]:
-    return [w.removed(hashes, group_idx=i) for i in groups]
+    return [we.removed(hashes, group_idx=i) for i in groups]
 
 
 def group(s: StreamStats, medium: str, idx: int) -> GroupTotals:
@@ -112,9 +113,9 @@ def test_sliding_window_only_model_follows_its_only_group(hub: KVEventHub) -> No
 def test_logical_counts_stay_monotonic_when_the_full_group_shows_up_late(hub: KVEventHub) -> None:
     """Removals of groups whose kind is not said yet, then stores saying group 0 is a window."""
     script = [
-        (100.0, [w.removed([1, 2, 3], group_idx=0)]),  # kind unknown: group 0 is the reference
+        (100.0, [we.removed([1, 2, 3], group_idx=0)]),  # kind unknown: group 0 is the reference
         (101.0, per_group(list(range(10, 15)), (SW, FULL))),  # group 0 slides, group 1 is full
-        (102.0, [w.removed([10, 11], group_idx=0), w.removed([10], group_idx=1)]),
+        (102.0, [we.removed([10, 11], group_idx=0), we.removed([10], group_idx=1)]),
     ]
     s = script_stats(hub, script)
     gpu = s.media["GPU"]
@@ -124,9 +125,9 @@ def test_logical_counts_stay_monotonic_when_the_full_group_shows_up_late(hub: KV
 
 def test_other_media_keep_their_groups_and_locality(hub: KVEventHub) -> None:
     cpu = [
-        w.stored([h], [], medium="CPU", block_size=0, group_idx=0, locality="LOCAL") for h in range(5)
+        we.stored([h], [], medium="CPU", block_size=0, group_idx=0, locality="LOCAL") for h in range(5)
     ]  # the offloading connector's placeholders
-    fs = [w.stored([7], [], medium="FS", block_size=0, group_idx=0, locality="REMOTE")]
+    fs = [we.stored([7], [], medium="FS", block_size=0, group_idx=0, locality="REMOTE")]
     s = script_stats(hub, [(100.0, per_group(list(range(5)), (FULL, SW))), (101.0, cpu + fs)])
     assert s.localities == {"CPU": "LOCAL", "FS": "REMOTE"}
     assert s.media["CPU"].stored == 5 and group(s, "CPU", 0).totals.stored == 5
@@ -136,7 +137,7 @@ def test_a_tier_below_takes_the_pools_group_kinds(hub: KVEventHub) -> None:
     """The offloading connector's placeholders name their group only: a hybrid model's CPU tier
     follows the GPU pool's full-attention group, whichever index the groups came in."""
     groups = (SW, SW, FULL)
-    cpu = [w.stored([h], [], medium="CPU", block_size=0, group_idx=g) for g in (1, 0, 2) for h in range(4)]
+    cpu = [we.stored([h], [], medium="CPU", block_size=0, group_idx=g) for g in (1, 0, 2) for h in range(4)]
     s = script_stats(hub, [(100.0, per_group(list(range(4)), groups)), (100.5, cpu)])
     ref = [g for g in s.groups if g.medium == "CPU" and g.reference]
     assert [(g.group, g.kind) for g in ref] == [(2, "full_attention")]
@@ -146,7 +147,7 @@ def test_a_tier_below_takes_the_pools_group_kinds(hub: KVEventHub) -> None:
 def test_offload_drop_is_judged_per_group_and_only_where_whole_prefixes_live(hub: KVEventHub) -> None:
     """A full-attention block removed from the GPU and never offloaded was dropped; a sliding
     group's block leaving without an offload is its window at work."""
-    cpu = [w.stored([h], [], medium="CPU", block_size=0, group_idx=0) for h in range(6)]
+    cpu = [we.stored([h], [], medium="CPU", block_size=0, group_idx=0) for h in range(6)]
     script = [
         (100.0, per_group(list(range(10)), (FULL, SW))),
         (100.5, cpu),  # 6 of the 10 offloaded, for group 0

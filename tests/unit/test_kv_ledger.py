@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger
@@ -25,6 +24,7 @@ from kvwatch.daemon.engines.views import (
     StreamSpec,
     StreamStats,
 )
+from kvwatch.daemon.lab import wire_encode as we
 
 from tests.tools.vllm_run_fixtures import uncompact
 from tests.unit.test_kv_events import publish_script
@@ -41,17 +41,17 @@ def ledger_script() -> list[tuple[float, list[dict[str, Any]]]]:
     at a time after a parent: an engine offloads prompts only); 42 + 3 GPU blocks evicted, 13
     of them prompt blocks never offloaded; then a reset with 11 GPU and 22 CPU blocks resident."""
     generated = [
-        (1002.5 + i / 10, [w.stored([200 + i], [], parent=199 + i if i else 52, block_size=BS)]) for i in range(3)
+        (1002.5 + i / 10, [we.stored([200 + i], [], parent=199 + i if i else 52, block_size=BS)]) for i in range(3)
     ]
     return [
-        (1000.0, [w.stored(list(range(100, 105)), [], block_size=BS)]),
-        (1001.0, [w.removed(list(range(100, 105)))]),
-        (1002.0, [w.stored(list(range(53)), [], block_size=BS)]),
+        (1000.0, [we.stored(list(range(100, 105)), [], block_size=BS)]),
+        (1001.0, [we.removed(list(range(100, 105)))]),
+        (1002.0, [we.stored(list(range(53)), [], block_size=BS)]),
         *generated,
-        (1003.0, [w.stored(list(range(29)), [], medium="CPU", block_size=0)]),
-        (1004.0, [w.removed(list(range(7)), medium="CPU")]),
-        (1005.0, [w.removed([*range(42), 200, 201, 202])]),
-        (1006.0, [w.cleared()]),
+        (1003.0, [we.stored(list(range(29)), [], medium="CPU", block_size=0)]),
+        (1004.0, [we.removed(list(range(7)), medium="CPU")]),
+        (1005.0, [we.removed([*range(42), 200, 201, 202])]),
+        (1006.0, [we.cleared()]),
     ]
 
 

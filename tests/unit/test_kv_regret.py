@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.config import EnginesConfig
-from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.hashmem import HashMemory
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import REGRET_BUCKETS
+from kvwatch.daemon.lab import wire_encode as we
 
 from tests.tools.vllm_run_fixtures import uncompact
 from tests.unit.test_kv_events import publish_script
@@ -77,14 +77,14 @@ def test_no_regret_memory_no_regret() -> None:
 def regret_script() -> list[tuple[float, list[dict[str, Any]]]]:
     """(engine ts, events): 23 regretted GPU blocks, 11 CPU ones, and stores that are not regrets."""
     return [
-        (1000.0, [w.stored(list(range(50)), [], block_size=BS)]),
-        (1001.0, [w.stored(list(range(50)), [], medium="CPU", block_size=BS)]),
-        (1002.0, [w.removed(list(range(40)))]),
-        (1003.0, [w.stored(list(range(23)), [], block_size=BS)]),  # 23 GPU regrets after 1 s
-        (1004.0, [w.removed(list(range(11)), medium="CPU")]),
-        (1064.0, [w.stored(list(range(11)), [], medium="CPU", block_size=BS)]),  # 11 CPU regrets after 60 s
-        (1065.0, [w.cleared()]),
-        (1066.0, [w.stored(list(range(23, 40)), [], block_size=BS)]),  # after a reset: none
+        (1000.0, [we.stored(list(range(50)), [], block_size=BS)]),
+        (1001.0, [we.stored(list(range(50)), [], medium="CPU", block_size=BS)]),
+        (1002.0, [we.removed(list(range(40)))]),
+        (1003.0, [we.stored(list(range(23)), [], block_size=BS)]),  # 23 GPU regrets after 1 s
+        (1004.0, [we.removed(list(range(11)), medium="CPU")]),
+        (1064.0, [we.stored(list(range(11)), [], medium="CPU", block_size=BS)]),  # 11 CPU regrets after 60 s
+        (1065.0, [we.cleared()]),
+        (1066.0, [we.stored(list(range(23, 40)), [], block_size=BS)]),  # after a reset: none
     ]
 
 
