@@ -1,11 +1,12 @@
 """Shared test set-up.
 
-Tests are split the way eBPF projects split them:
-* tests/unit        — no bcc, no root: parsers, config, detectors, collector, HTTP;
-* tests/integration — no bcc, no root: the daemon as a subprocess against simulated engines
-  (engine taps), several processes and sockets, tens of seconds each;
+Tests are split the way eBPF projects split them (docs/architecture.md, "Tests"):
+* tests/unit        — no bcc, no root, no sockets or threads: parsers, config, detectors, collector;
+* tests/integration — no bcc, no root: sockets, threads, the daemon as a subprocess against
+  simulated engines and replayed real runs, tens of seconds each;
 * tests/privileged  — root on the real kernel: load, attach, trigger a known workload, assert counts;
-* tests/gpu         — run on the lent GPU machine by hand, recorded, not in CI.
+* tests/gpu         — run on the lent GPU machine by hand, recorded, not in CI;
+* tests/support     — the helpers they share (a test module never imports another).
 
 Privileged tests skip (saying why) only when not root. As root, a missing bcc is
 an error, not a skip: CI runs as root and must not pass by skipping the kernel.

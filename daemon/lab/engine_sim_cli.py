@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,9 @@ class Traffic:
     decode: float = 0.0  # tokens/s the scripted running requests generate
     preempting: float = 0.0  # requests/s preempted
     _n: int = 0
+    # Held by the traffic loop for each step and by the command loop for each command, so that
+    # a command answered "ok" is not followed by a step of the traffic it replaced.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def prefixes(self, k: int) -> list[int]:
         out = []
@@ -44,15 +47,16 @@ def running(sim: SimulatedVllm, traffic: Traffic, *, hz: float = 20.0) -> Iterat
     def loop() -> None:
         carry = [0.0, 0.0, 0.0]  # requests, tokens, preemptions owed
         while not stop.wait(1.0 / hz):
-            for i, rate in enumerate((traffic.rate, traffic.decode, traffic.preempting)):
-                carry[i] += rate / hz
-            k, tokens, preempted = (int(c) for c in carry)
-            carry = [c - int(c) for c in carry]
-            sim.step(traffic.prefixes(k), traffic.blocks)
-            if tokens:
-                sim.generate(tokens)
-            if preempted:
-                sim.preempt(preempted)
+            with traffic.lock:
+                for i, rate in enumerate((traffic.rate, traffic.decode, traffic.preempting)):
+                    carry[i] += rate / hz
+                k, tokens, preempted = (int(c) for c in carry)
+                carry = [c - int(c) for c in carry]
+                sim.step(traffic.prefixes(k), traffic.blocks)
+                if tokens:
+                    sim.generate(tokens)
+                if preempted:
+                    sim.preempt(preempted)
 
     t = threading.Thread(target=loop, name="sim-vllm-traffic", daemon=True)
     t.start()
@@ -166,18 +170,24 @@ def main(argv: list[str] | None = None) -> None:
             cmd, nums = words[0], [float(w) for w in words[1:] if _number(w)]
             if cmd == "quit":
                 break
-            if cmd == "stats":
-                st = sim.pool.stats
-                print(json.dumps({**asdict(st), "batches": sim.publisher.sent}), flush=True)
-                continue
-            handler = commands.get(cmd)
-            if handler is None:
-                print(f"unknown {cmd}\n{USAGE}", flush=True)
-                continue
-            handler(nums)
-            sim.publisher.flush()
-            print(f"ok {cmd}", flush=True)
+            with traffic.lock:
+                print(_answer(sim, commands, cmd, nums), flush=True)
     sim.close()
+
+
+def _answer(
+    sim: SimulatedVllm, commands: dict[str, Callable[[list[float]], object]], cmd: str, nums: list[float]
+) -> str:
+    import json  # noqa: PLC0415
+
+    if cmd == "stats":
+        return json.dumps({**asdict(sim.pool.stats), "batches": sim.publisher.sent})
+    handler = commands.get(cmd)
+    if handler is None:
+        return f"unknown {cmd}\n{USAGE}"
+    handler(nums)
+    sim.publisher.flush()
+    return f"ok {cmd}"
 
 
 def _number(w: str) -> bool:

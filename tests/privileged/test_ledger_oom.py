@@ -5,15 +5,13 @@ process (engines.loss_linger_seconds) so a scrape sees it."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB
 
-from tests.integration.test_engine_daemon import engine, quiesce, tapped
-from tests.privileged.helpers import daemon, wait_until
-from tests.privileged.test_daemon import watched
+from tests.support.daemon import daemon, wait_until, watched
+from tests.support.engine_sim import engine, quiesce, tapped
 
 CONFIG = """
 [daemon]
@@ -34,7 +32,7 @@ def test_oom_kill_loses_the_resident_blocks(tmp_path: Path) -> None:
         tapped(d, sim.pid)
         pid = str(sim.pid)
         sim.do("traffic 20 10 4 0")  # 10 shared prefixes of 4 blocks: the cache fills, then hits
-        time.sleep(3)
+        d.run_for(3)
         quiesce(sim, d)
         resident = d.value("kvwatch_kv_blocks_stored_total", pid=pid, medium="GPU") - d.value(
             "kvwatch_kv_blocks_removed_total", pid=pid, medium="GPU"

@@ -18,8 +18,9 @@ import pytest
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.workloads import MIB, PAGE, make_files, resident_total, workload_rule
 
-from tests.privileged.helpers import KVWATCH, Child, daemon, free_port, wait_attached
-from tests.trace_format import problems
+from tests.support.daemon import KVWATCH, daemon, free_port, wait_attached
+from tests.support.kernel import Child, wait_uprobes
+from tests.support.trace_format import problems
 
 CONFIG = r"""
 [daemon]
@@ -81,7 +82,7 @@ def test_once_shows_the_known_workload(tmp_path: Path, kvdir: Path, stub: Path) 
         assert r[1] == "stubengine" and r[DEV] == f"{23 * 20:.1f}" and r[HOST] == "0.0"
         assert "Traceback" not in res.stderr
         w.send("uncached 100 9")  # ~100 segment allocations and frees a second
-        time.sleep(6)  # past the 5 s rate window
+        d.run_for(6)  # past the 5 s rate window
         res = top("--once", "--url", d.url(""), "--interval", "0.5", "--sort", "pid")
         r = row(res.stdout, w.pid)
         assert 75 <= float(r[ALLOC]) <= 125 and 75 <= float(r[FREE]) <= 125, r
@@ -188,7 +189,7 @@ def test_live_view_in_tmux(tmp_path: Path, kvdir: Path, stub: Path) -> None:
             t.keys("Escape")
             t.wait_for(str(w.pid))
             t.resize(30, 6)  # a tiny terminal
-            time.sleep(1.5)
+            d.wait_ticks(3)  # new frames drawn at that size
             assert "Traceback" not in t.screen() and "EXITED" not in t.screen()
             t.resize(220, 40)
             t.wait_for(str(w.pid))
@@ -222,7 +223,7 @@ def test_record_known_workload(tmp_path: Path, kvdir: Path, stub: Path) -> None:
             )
             assert rec.stderr is not None
             assert "recording 9 s" in rec.stderr.readline()
-            time.sleep(4)  # discovery, CUDA and NIXL attach (1 s rescans), tier inodes
+            wait_uprobes(rec.pid, "libcudart", "nixl")  # discovered and attached (the tier: at start)
             w.step("growth 23 1", "done", timeout=30)
             reply = init.ask("burst 7")
             cached = resident_total([tier_file])
@@ -247,13 +248,15 @@ def test_record_known_workload(tmp_path: Path, kvdir: Path, stub: Path) -> None:
     gaps = sorted(theirs / 1000 - e["dur"] for e, theirs in zip(xfers, reply["durations_ns"], strict=True))
     assert gaps[3] <= 500  # median within half a millisecond
     tier = [e for e in ev if e["ph"] == "C" and e["name"] == "KV tier test-tier pages"]
-    assert sum(e["args"]["deleted (policy)"] for e in tier) == cached > 0  # what mincore saw cached
-    # Proactive reclaim (kdamond, kswapd) may take cold pages of the file before the unlink:
-    # those, and only those, are reclaim evictions, so they fit in what mincore no longer saw.
-    assert sum(e["args"]["evicted (reclaim)"] for e in tier) <= size // PAGE - cached
+    policy = sum(e["args"]["deleted (policy)"] for e in tier)
+    reclaim = sum(e["args"]["evicted (reclaim)"] for e in tier)
+    # Each page mincore saw cached before the unlink left once during the recording: deleted
+    # (policy) or, taken first by reclaim (kswapd, kdamond), evicted (reclaim). Reclaim may also
+    # have taken pages before mincore looked, never more than the file had.
+    assert 0 < policy <= cached <= policy + reclaim <= size // PAGE, (policy, reclaim, cached)
     names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
     assert f"stubengine pid {w.pid}" in names and f"nixltest pid {init.pid}" in names
-    assert trace["otherData"]["dropped"] == {} and 8.5 <= trace["otherData"]["duration_seconds"] <= 12
+    assert trace["otherData"]["dropped"] == {} and trace["otherData"]["duration_seconds"] >= 8.5
 
 
 def test_record_refuses_unwritable_output(tmp_path: Path) -> None:

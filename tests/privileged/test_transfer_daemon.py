@@ -16,7 +16,7 @@ from kvwatch.daemon.lab.netlab import Link, veth_pair
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import DaemonProcess, daemon, wait_attached, wait_until
+from tests.support.daemon import DaemonProcess, daemon, wait_attached, wait_until
 
 SIZE = 2 << 20
 RULE = workload_rule("nixltest", "initiator", module="nixl_peer")
@@ -65,8 +65,7 @@ def test_throttled_link_fires_and_release_clears(tmp_path: Path, link: Link) -> 
             def moved() -> float:
                 return d.value("kvwatch_transfer_bytes_total", pid=str(init.pid), lib="nixl", op="write")
 
-            time.sleep(1.2)  # the next tick publishes the last completions
-            assert moved() == base["bytes"]  # every byte the application moved, and nothing else
+            assert d.settled(moved) == base["bytes"]  # every byte the application moved, and nothing else
 
             link.throttle("100mbit")  # 12.5 MB/s: demand now exceeds the link
             result: dict[str, Any] = {}
@@ -85,11 +84,9 @@ def test_throttled_link_fires_and_release_clears(tmp_path: Path, link: Link) -> 
                 )
                 return collapse_active(d, init.pid)
 
-            try:
-                wait_until(fired, 8, "KVTransferBandwidthCollapse during the throttle", interval=0.5)
-            except AssertionError as err:
-                raise AssertionError(f"{err}; (t, MB/s, completed): {seen}") from None
-            fired_after = time.monotonic() - t0
+            # while the throttled run lasts (8 s of demand): how soon is bench_detection's
+            wait_until(lambda: fired() or not runner.is_alive(), 60, "the alert or the run's end", interval=0.5)
+            assert fired(), f"no KVTransferBandwidthCollapse during the throttle; (t, MB/s, completed): {seen}"
             runner.join(60)
             lab = next(
                 lab
@@ -105,7 +102,6 @@ def test_throttled_link_fires_and_release_clears(tmp_path: Path, link: Link) -> 
             assert d.value("kvwatch_alerts_fired_total", alert="KVTransferBandwidthCollapse") == 1
             events = [e for e in d.log_events() if e.get("alert") == "KVTransferBandwidthCollapse"]
             assert [e["event"] for e in events] == ["alert firing", "alert resolved"]
-            assert fired_after < 8
         finally:
             init.close()
             target.close()

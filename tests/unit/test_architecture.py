@@ -166,3 +166,59 @@ def test_proc_and_sys_are_read_through_procfs_only() -> None:
                 if text.startswith(("/proc", "/sys")) and not any(c.isspace() for c in text):
                     bad.append(f"{name}:{node.lineno} {text!r}")
     assert bad == []
+
+
+# --- the tests' own layout -------------------------------------------------------------------------
+TESTS = REPO / "tests"
+TIERS = ("unit", "integration", "privileged")
+# What a unit test must not touch: sockets, threads, servers (integration/ and privileged/ do).
+UNIT_FORBIDDEN = ("socket", "threading", "zmq", "http.server", "urllib.request", "kvwatch.daemon.engines.kv_events")
+
+
+def suite_files() -> list[Path]:
+    return sorted(f for tier in TIERS for f in (TESTS / tier).glob("test_*.py"))
+
+
+def test_modules_import_only_support_and_tools() -> None:
+    """Shared helpers live in ``tests/support`` (fixture generators in ``tests/tools``): a test
+    module never imports another test module, so that moving or deleting one breaks no other."""
+    bad = []
+    for f in suite_files() + sorted(TESTS.glob("*/conftest.py")) + sorted((TESTS / "support").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for n in names:
+                if n.startswith("tests.") and not n.startswith(("tests.support", "tests.tools")):
+                    bad.append(f"{f.relative_to(REPO)}:{node.lineno} {n}")
+    assert bad == []
+
+
+def test_unit_tests_open_no_sockets_and_start_no_threads() -> None:
+    bad = []
+    for f in sorted((TESTS / "unit").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            bad += [f"{f.name}:{node.lineno} {n}" for n in names if n.startswith(UNIT_FORBIDDEN)]
+    assert bad == []
+
+
+def test_test_files_are_named_for_the_module_they_cover() -> None:
+    """``test_<module>[_<aspect>].py``: <module> a module or package of kvwatch (``engines/taps.py``
+    → ``test_taps.py``, ``test_taps_…``), so that the tests of a module are found by its name."""
+    names = {"architecture", "deploy"}  # this file (the tree's rules) and deploy/
+    for folder in PACKAGES:
+        names.add(folder)
+        for f in (REPO / folder).rglob("*"):
+            if f.is_dir() and f.name != "__pycache__":
+                names.add(f.name)
+            elif f.suffix in (".py", ".c") and f.stem != "__init__":
+                names.add(f.name.split(".")[0])
+    bad = [
+        str(f.relative_to(REPO))
+        for f in suite_files()
+        if not any(f.stem[5:] == n or f.stem[5:].startswith(n + "_") for n in names)
+    ]
+    assert bad == []

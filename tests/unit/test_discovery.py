@@ -7,7 +7,7 @@ from kvwatch.daemon.discovery import Discovery, disagg_role
 from kvwatch.daemon.host.cgroups import parse_cgroup
 from kvwatch.daemon.host.procfs import ProcessGone, ProcFS
 
-from tests.procfixture import FakeProc, make_proc
+from tests.support.procfs import FakeProc, make_proc
 
 POD = (
     "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1b2c3d4e_1111_2222_3333_444455556666.slice/cri-containerd-"

@@ -14,7 +14,7 @@ from kvwatch.daemon.families.kv_files import specs_from_process
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS, parse_cgroup2_mount
 from kvwatch.daemon.host.psi import PressureReader
 
-from tests.procfixture import FakeProc, make_proc
+from tests.support.procfs import FakeProc, make_proc
 
 REPO = Path(__file__).resolve().parents[2]
 MOUNTINFO = (

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import msgspec
@@ -26,8 +23,8 @@ from kvwatch.daemon.snapshot import (
     TierView,
     TransferView,
 )
-from kvwatch.exporters.top import DaemonSource, SourceError, ViewState, print_once
-from kvwatch.exporters.top_model import API_PATH, TopFrame, build_frame, decode, encode
+from kvwatch.exporters.top import ViewState, print_once
+from kvwatch.exporters.top_model import TopFrame, build_frame, decode, encode
 from kvwatch.probes.records import ApiCounters
 
 MIB = 1 << 20
@@ -233,43 +230,3 @@ def test_sort_filter_and_empty() -> None:
     assert lines[1].startswith("processes 0 (none)  GPU - MiB  allocs 0/s")
     assert lines[4] == "no inference processes watched (discovery rules: kvwatch doctor; or --pid)"
     assert len(lines) == 5
-
-
-@pytest.fixture
-def server() -> Iterator[tuple[HTTPServer, dict[str, Any]]]:
-    state: dict[str, Any] = {"code": 200, "body": b""}
-
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(state["code"])
-            self.end_headers()
-            self.wfile.write(state["body"])
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-    httpd = HTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    yield httpd, state
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def test_daemon_source_reads_and_explains_failures(server: tuple[HTTPServer, dict[str, Any]]) -> None:
-    httpd, state = server
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    src = DaemonSource(url)
-    frame = build_frame(snapshot(), host="n")
-    state["body"] = encode(frame)
-    assert src.fetch() == frame
-    state["body"] = b"<html>not kvwatch</html>"
-    with pytest.raises(SourceError, match="not a kvwatch top frame"):
-        src.fetch()
-    state["code"] = 404
-    with pytest.raises(SourceError, match=f"{API_PATH}: HTTP 404"):
-        src.fetch()
-    httpd.shutdown()
-    httpd.server_close()
-    with pytest.raises(SourceError, match="unreachable"):
-        src.fetch()

@@ -18,7 +18,7 @@ from kvwatch.daemon.tracker import EXIT_GRACE_SECONDS, RECENT_SECONDS, ProcessTr
 from kvwatch.probes.memory import decode_event
 from kvwatch.probes.records import OomKill, ProcessExec, ProcessForked
 
-from tests.procfixture import FakeProc, make_proc, write_proc
+from tests.support.procfs import FakeProc, make_proc, write_proc
 
 
 class FakeKernel:

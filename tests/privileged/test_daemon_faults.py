@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,19 +25,9 @@ from kvwatch.probes.libs import LibraryError
 from kvwatch.probes.tracefs import bcc_probe_events_of
 from kvwatch.probes.uprobes import ProcessGoneDuringAttach
 
-from tests.fakes import recording_server
-from tests.privileged.helpers import (
-    FOREIGN_PAGE_SLACK,
-    Child,
-    DaemonProcess,
-    PageFreeTruth,
-    daemon,
-    free_port,
-    settled,
-    wait_attached,
-    wait_closes,
-    wait_until,
-)
+from tests.support.daemon import DaemonProcess, daemon, free_port, wait_attached, wait_until, watched
+from tests.support.http import recording_server
+from tests.support.kernel import FOREIGN_PAGE_SLACK, Child, PageFreeTruth
 
 MIB = 1 << 20
 N_PAGES = 2311
@@ -58,10 +47,6 @@ cuda_rescan_seconds = 1
 active_seconds = 30
 {extra}
 """
-
-
-def watched(d: DaemonProcess, pid: int) -> bool:
-    return any(lab.get("pid") == str(pid) for lab, _ in d.metrics().get("kvwatch_page_free_pages_total", []))
 
 
 # --- processes vanishing under the attacher ----------------------------------------------------
@@ -132,9 +117,9 @@ def test_library_unmapped_while_probed_then_mapped_again(tmp_path: Path, stub: P
             w.step("calllast 23", "done 23 0")
             wait_until(lambda: d.value("kvwatch_cuda_alloc_calls_total", pid=pid, result="ok") == 23, 5, "23 counted")
             w.step("unload", "unloaded")
-            time.sleep(2.5)  # rescans see the library gone
+            d.run_for(2.5)  # rescans see the library gone
             w.step(f"load {lib}", "loaded")
-            time.sleep(2.5)
+            d.run_for(2.5)  # and back
             w.step("calllast 7", "done 7 0")
             wait_until(lambda: d.value("kvwatch_cuda_alloc_calls_total", pid=pid, result="ok") == 30, 5, "7 more")
             assert d.value("kvwatch_cuda_free_calls_total", pid=pid, result="ok") == 30
@@ -177,8 +162,7 @@ def test_pid_reuse_is_a_new_process(tmp_path: Path) -> None:
             wait_until(lambda: watched(d, pid), 10, "second process watched")
             b.step("go", "done")
             wait_until(lambda: d.value("kvwatch_page_free_pages_total", pid=str(pid)) >= N_PAGES, 5, "B counted")
-            time.sleep(1)
-            got = d.value("kvwatch_page_free_pages_total", pid=str(pid))
+            got = d.settled(lambda: d.value("kvwatch_page_free_pages_total", pid=str(pid)))
             assert N_PAGES <= got < 2 * N_PAGES, got  # B's pages only: none of A's carried over
     starts = [e for e in d.log_events() if e.get("event") == "watching process" and e.get("pid") == pid]
     assert len(starts) == 2  # two identities
@@ -251,7 +235,7 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
             return d.value("kvwatch_events_lost_total", source="page_free_skipped")
 
         with PageFreeTruth(w.pid) as truth:
-            start = settled(value)
+            start = d.settled(value)
             # read once: it moves with every process on the node; an early read only widens the bound
             skipped0 = skipped()
             truth.clear()
@@ -264,7 +248,7 @@ def test_concurrent_scrapers_see_consistent_counts(tmp_path: Path) -> None:
                 expected = truth.pages()  # complete: the workload frees its pages before it answers
                 # the kernel's own trace of the same tracepoint for the same task: exact unless the
                 # kernel skipped page-free runs in the window (nested interrupts), then within them
-                wait_closes(lambda: value() - start, expected, lambda: skipped() - skipped0)
+                d.wait_closes(lambda: value() - start, expected, lambda: skipped() - skipped0)
             finally:
                 stop.set()
                 for t in threads:
@@ -303,14 +287,12 @@ def test_sigterm_mid_burst_exits_cleanly_with_alerts_flushed(
         wait_until(lambda: watched(d, burst.pid), 10, "burst watched")
         for _ in range(3):
             burst.send("go")  # a page-free burst in flight
-        t0 = time.monotonic()
-        code = d.stop(signal.SIGTERM)
-        took = time.monotonic() - t0
+        code = d.stop(signal.SIGTERM, timeout=60)  # killed if it hangs: then not 0
         burst.proc.kill()
         burst.proc.wait()
     finally:
         d.stop()
-    assert code == 0 and took < 15, (code, took)
+    assert code == 0, code
     assert [a["labels"]["alertname"] for _, body in got for a in body] == ["InferenceProcessOOMKilled"]
     events = d.log_events()
     assert any(e.get("event") == "stopped: probes detached, alert sinks flushed" for e in events)
@@ -327,10 +309,8 @@ def test_kill_9_leaves_nothing_behind_and_restart_works(tmp_path: Path, stub: Pa
         d.proc.wait()
         d.stop()
         assert bcc_probe_events_of(d.proc.pid) == []  # nothing of kvwatch left in tracefs
-        t0 = time.monotonic()
         with daemon(tmp_path, toml()) as d2:
             wait_attached(d2, w.pid)
-            assert time.monotonic() - t0 < 30
             w.step("growth 7 1", "done", timeout=30)
             wait_until(
                 lambda: d2.value("kvwatch_cuda_alloc_calls_total", pid=str(w.pid), api="cudaMalloc", result="ok") == 7,
@@ -404,7 +384,7 @@ def test_secrets_in_argv_and_environ_never_leave(tmp_path: Path) -> None:
     try:
         with daemon(tmp_path, toml(), "--pid", str(p.pid), "--log-format", "json") as d:
             wait_until(lambda: watched(d, p.pid), 10, "watched")
-            time.sleep(2)
+            d.run_for(2)  # its labels published tick after tick
             outputs = [d.get("/metrics")[1], d.get("/api/v1/top")[1], d.log.read_text()]
     finally:
         p.kill()

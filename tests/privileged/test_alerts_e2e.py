@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import Child, daemon, free_port, wait_attached, wait_until
+from tests.support.daemon import daemon, free_port, wait_attached, wait_until
+from tests.support.kernel import Child
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "kvwatch-rules.yaml"

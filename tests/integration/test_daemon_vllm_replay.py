@@ -9,7 +9,7 @@ schedule and an HTTP server serves each page from its second on; kvwatch taps th
 would the engine (``[[engines.endpoints]]`` naming a stand-in process, no BPF, no root).
 
 What the real run showed must hold here: no alert while steady; KVEvictionBurst on medium GPU,
-cause pressure or thrash, within seconds of the pressure phase; cleared before the end; and
+cause pressure or thrash, during the pressure phase; cleared before the end; and
 every block counted exactly (the totals vLLM's own classes decoded in that window).
 """
 
@@ -18,12 +18,8 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +27,12 @@ import pytest
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.daemon.lab.wire_encode import Layout, cleared, removed, stored
 
-from tests.privileged.helpers import DaemonProcess, daemon, free_port, wait_until
+from tests.support.daemon import DaemonProcess, daemon, free_port, wait_until
+from tests.support.kv_scripts import REAL_BLOCK_BYTES
+from tests.support.vllm_replay import Pages, onsets, serve, stand_in_process, through_the_window
 from tests.tools.vllm_run_fixtures import uncompact
-from tests.unit.test_kv_ledger import REAL_BLOCK_BYTES
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "vllm_run" / "pressure.json.gz"
-ONSET_WITHIN = 15.0  # seconds after the pressure phase began (the real run: 3.1 s)
 
 CONFIG = """
 [daemon]
@@ -54,41 +50,6 @@ endpoints = [{{ cmdline = "{marker}", kv_events = "{kv}", metrics_url = "{url}",
 warmup_seconds = 0        # the window holds 35 s of steady load: learn from its first second
 baseline_min_seconds = 20
 """
-
-
-class Pages:
-    """vLLM's /metrics as it was at each second of the replay."""
-
-    def __init__(self, pages: list[list[Any]]) -> None:
-        self.pages = pages
-        self.t0 = float("inf")  # until the replay starts: the first page
-
-    def now(self) -> bytes:
-        t = time.monotonic() - self.t0
-        text = self.pages[0][1]
-        for at, page in self.pages:
-            if at > t:
-                break
-            text = page
-        return str(text).encode()
-
-
-def serve(pages: Pages) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = pages.now()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            return None
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
 
 
 def events(groups: list[list[Any]]) -> list[dict[str, Any]]:
@@ -126,7 +87,7 @@ def regrets(batches: list[list[Any]]) -> dict[str, tuple[int, int]]:
 
 def check_ledger(d: DaemonProcess, pid: str, totals: dict[str, Any]) -> None:
     """The loss ledger closes on the stream: every removal in one (tier, cause) row, none dropped
-    (each GPU block the window saw stored reached the CPU tier: test_kv_ledger.py computes it),
+    (each GPU block the window saw stored reached the CPU tier: test_ledger.py computes it),
     priced at the model's block size learnt from vLLM's offload counter."""
     rows = {
         (lab["tier"], lab["cause"]): v for lab, v in d.metrics()["kvwatch_kv_lost_blocks_total"] if lab["pid"] == pid
@@ -161,24 +122,8 @@ def run() -> dict[str, Any]:
 
 @pytest.fixture
 def stand_in() -> Iterator[subprocess.Popen[bytes]]:
-    marker = f"vllm-replay-{free_port()}"
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)", marker])
-    p.marker = marker  # type: ignore[attr-defined]
-    try:
+    with stand_in_process("vllm-replay") as p:
         yield p
-    finally:
-        p.kill()
-        p.wait()
-
-
-def _onsets(d: DaemonProcess) -> list[dict[str, Any]]:
-    out = []
-    for line in d.log.read_text().splitlines():
-        if line.startswith("{") and '"alert firing"' in line:
-            e = json.loads(line)
-            e["wall"] = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
-            out.append(e)
-    return out
 
 
 def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_path: Path) -> None:
@@ -213,8 +158,7 @@ def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_pat
             wait_until(
                 lambda: d.value("kvwatch_kv_event_batches_total", pid=pid) == totals["batches"], 60, "every batch"
             )
-            left = t0 + run["window_seconds"] - time.monotonic()
-            time.sleep(max(left, 0.0) + 3.0)  # the last pages, and a tick after them
+            through_the_window(d, pid, t0 + run["window_seconds"])
             for medium in ("GPU", "CPU"):
                 for what in ("stored", "removed"):
                     got = d.value(f"kvwatch_kv_blocks_{what}_total", pid=pid, medium=medium)
@@ -228,17 +172,18 @@ def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_pat
             lost = dict((lab["source"], v) for lab, v in d.metrics()["kvwatch_events_lost_total"])
             assert lost["kv_removals_forgotten"] == 0  # every removal remembered: none of the regrets missed
             check_ledger(d, pid, totals)
-            onsets = _onsets(d)
+            alerts = onsets(d)
     finally:
         pub.close()
         srv.shutdown()
     pressure = wall0 + run["marks"]["pressure_start"]
-    bursts = [e for e in onsets if e["alert"] == "KVEvictionBurst"]
-    assert [e for e in onsets if e["wall"] < pressure] == [], "an alert while steady"
-    assert len(bursts) == 1, ([(e["alert"], e["wall"] - pressure) for e in onsets], seen)
+    bursts = [e for e in alerts if e["alert"] == "KVEvictionBurst"]
+    assert [e for e in alerts if e["wall"] < pressure] == [], "an alert while steady"
+    assert len(bursts) == 1, ([(e["alert"], e["wall"] - pressure) for e in alerts], seen)
     b = bursts[0]
-    latency = b["wall"] - pressure
-    assert 0 <= latency <= ONSET_WITHIN, f"onset {latency:.1f} s after the pressure phase began"
+    # during the pressure phase it names (the real run: 3.1 s into it; how soon is bench_detection's)
+    pressure_end = wall0 + run["marks"]["pressure_end"]
+    assert pressure <= b["wall"] <= pressure_end, f"onset {b['wall'] - pressure:.1f} s after the pressure phase began"
     assert b["label_medium"] == "GPU" and b["cause"] in ("pressure", "thrash"), b
     assert b["values"]["hit_ratio"] <= b["values"]["reference_hit_ratio"] - 0.3
     resolved = [

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.workloads import workload_rule
 
-from tests.privileged.helpers import Child, DaemonProcess, daemon, settled, wait_attached, wait_until
+from tests.support.daemon import DaemonProcess, daemon, wait_attached, wait_until
+from tests.support.kernel import Child
 
 CONFIG = rf"""
 [daemon]
@@ -53,7 +54,7 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
         wait_until(lambda: d.value("kvwatch_uprobe_canary_call_seconds") > 0, 30, "canary timed")
         assert d.value("kvwatch_bpf_stats_enabled") == 1
         assert call(w, "copy 1 23 4096") == "done 23 0"
-        assert settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30) == 23
+        assert d.settled(lambda: copies(d, w.pid)) == 23
 
         w.send("spin 20")  # ~1.5 us of traps per call: far over 1 %
         wait_until(
@@ -68,20 +69,20 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
         states = {lab["state"] for lab, _v in scrape["kvwatch_probe_attached"] if lab["probe"] == COPY}
         assert states == {"shed"}  # the only process with CUDA probes had them shed
         spun = int(w.reply().split()[1])
-        counted = settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30)
+        counted = d.settled(lambda: copies(d, w.pid))
         assert 23 < counted < 23 + spun  # counted until shed (and while attached again in between)
         # only the busy copy API was shed: allocations are counted whatever the breaker does
         assert call(w, "call 5") == "done 5 0"
-        mallocs = settled(lambda: d.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cudaMalloc"), quiet=2.0)
+        mallocs = d.settled(lambda: d.value("kvwatch_cuda_alloc_calls_total", pid=pid, api="cudaMalloc"))
         assert mallocs == 5
 
         # the spin is over: attached again after the back-off, and it stays attached
         wait_until(
             lambda: shed(d, w.pid) == 0 and d.value("kvwatch_cuda_probes_attached", pid=pid) == symbols, 60, "back"
         )
-        before = settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30)
+        before = d.settled(lambda: copies(d, w.pid))
         assert call(w, "copy 1 29 4096") == "done 29 0"
-        assert settled(lambda: copies(d, w.pid), quiet=2.0, timeout=30) == before + 29
+        assert d.settled(lambda: copies(d, w.pid)) == before + 29
         m = DaemonProcess.value_in(d.metrics())
         assert m("kvwatch_uprobes_shed", pid=pid, family="cuda") == 0
         assert m("kvwatch_alert_active", alert="KVWatchProbeShed", pid=pid) == 0

@@ -23,8 +23,8 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,8 @@ import pytest
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
-from tests.integration.test_vllm_replay import Pages, _onsets, serve
-from tests.privileged.helpers import daemon, free_port, wait_until
+from tests.support.daemon import daemon, free_port, wait_until
+from tests.support.vllm_replay import Pages, onsets, serve, stand_in_process, through_the_window
 from tests.tools.vllm_groups_fixture import uncompact
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "vllm_run" / "full.json.gz"
@@ -97,15 +97,9 @@ def run() -> dict[str, Any]:
 
 
 @pytest.fixture
-def stand_in() -> Any:
-    marker = f"vllm-groups-replay-{free_port()}"
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)", marker])
-    p.marker = marker  # type: ignore[attr-defined]
-    try:
+def stand_in() -> Iterator[subprocess.Popen[bytes]]:
+    with stand_in_process("vllm-groups-replay") as p:
         yield p
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_real_hybrid_vllm_replayed(run: dict[str, Any], stand_in: Any, tmp_path: Path) -> None:
@@ -134,16 +128,15 @@ def test_real_hybrid_vllm_replayed(run: dict[str, Any], stand_in: Any, tmp_path:
             wait_until(
                 lambda: d.value("kvwatch_kv_event_batches_total", pid=pid) == totals["batches"], 60, "every batch"
             )
-            left = t0 + run["window_seconds"] - time.monotonic()
-            time.sleep(max(left, 0.0) + 3.0)  # the last pages, and a tick after them
+            through_the_window(d, pid, t0 + run["window_seconds"])
             metrics = d.metrics()
-            onsets = _onsets(d)
+            alerts = onsets(d)
             log = d.log.read_text()
     finally:
         pub.close()
         srv.shutdown()
     check_counts(metrics, pid, totals["groups"])
-    check_alerts(onsets, log, run["marks"], wall0)
+    check_alerts(alerts, log, run["marks"], wall0)
 
 
 def check_counts(metrics: dict[str, Any], pid: str, groups: dict[str, dict[str, int]]) -> None:

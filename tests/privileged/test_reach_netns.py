@@ -4,14 +4,13 @@ engine's address in that namespace (/proc/PID/net/fib_trie) and taps its KV even
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.lab.netlab import pod_netns
 
-from tests.integration.test_engine_daemon import CONFIG, kv_config, quiesce
-from tests.privileged.helpers import daemon, wait_until
+from tests.support.daemon import daemon, wait_until
+from tests.support.engine_sim import CONFIG, kv_config, quiesce
 
 
 def test_engine_in_a_pod_namespace(tmp_path: Path) -> None:
@@ -24,7 +23,7 @@ def test_engine_in_a_pod_namespace(tmp_path: Path) -> None:
             assert labels["endpoint"] == f"tcp://{pod.pod_addr}:5557"  # not 127.0.0.1: the pod's own address
             wait_until(lambda: d.value("kvwatch_engine_scrapes_total", pid=pid, result="ok") > 0, 20, "scrape")
             sim.do("traffic 50 20 8 1")
-            time.sleep(3)
+            d.run_for(3)
             st = quiesce(sim, d)
             assert d.value("kvwatch_kv_blocks_stored_total", pid=pid, medium="GPU") == st["stored"] > 0
         finally:

@@ -6,58 +6,25 @@ Kernel probes are off in these runs (engine taps need no BPF), so they need no r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 
-from tests.privileged.helpers import DaemonProcess, daemon, free_port, wait_until
-
-CONFIG = """
-[daemon]
-tick_seconds = 0.5
-[discovery]
-interval_seconds = 0.5
-nvml = "off"
-[probes]
-memory = []
-cuda = false
-transfer = false
-[engines]
-scrape_interval_seconds = 1.0
-replay_timeout_seconds = 1.0
-[detectors.eviction_burst]
-warmup_seconds = 0
-baseline_min_seconds = 8
-window_seconds = 4
-confirm_windows = 2
-clear_windows = 2
-quiet_after_reset_seconds = 10
-[detectors.prefix_cache_ineffective]
-warmup_seconds = 8            # a cold cache's first seconds share nothing yet
-window_seconds = 6
-min_queried_tokens = 1000
-min_stored_blocks = 20
-confirm_windows = 2
-clear_windows = 2
-[detectors.preemption_livelock]
-warmup_seconds = 0
-baseline_min_seconds = 5
-window_seconds = 4
-confirm_windows = 2
-clear_windows = 2
-"""
-HOT = "traffic 20 250 8 0"  # 20 requests/s over 250 prefixes of 8 blocks: 2000 hot blocks, reused
-IDLE = "traffic 0 1 1 0"
-
-
-def kv_config(port: int, replay: int | None = None) -> dict[str, object]:
-    cfg: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    if replay:
-        cfg["replay_endpoint"] = f"tcp://*:{replay}"
-    return cfg
+from tests.support.daemon import DaemonProcess, daemon, free_port, wait_until
+from tests.support.engine_sim import (
+    CONFIG,
+    HOT,
+    IDLE,
+    alert,
+    alert_values,
+    engine,
+    fired,
+    kv_config,
+    quiesce,
+    tapped,
+)
 
 
 @pytest.fixture
@@ -66,57 +33,11 @@ def kvwatch(tmp_path: Path) -> Iterator[DaemonProcess]:
         yield d
 
 
-def engine(tmp_path: Path, replay: bool = False, **kw: object) -> SimulatedEngineProcess:
-    return SimulatedEngineProcess(
-        tmp_path / "bin",
-        http_port=free_port(),
-        kv_events=kv_config(free_port(), free_port() if replay else None),
-        **kw,  # type: ignore[arg-type]
-    )
-
-
-def alert(d: DaemonProcess, pid: int, name: str = "KVEvictionBurst") -> dict[str, str] | None:
-    for labels, v in d.metrics().get("kvwatch_alert_active", []):
-        if labels.get("alert") == name and labels.get("pid") == str(pid) and v == 1:
-            return labels
-    return None
-
-
-def kvwatch_alert_values(d: DaemonProcess, pid: int, name: str) -> dict[str, float]:
-    """The numbers of an alert's onset, from the daemon's log."""
-    return next(
-        e["values"]  # type: ignore[misc]
-        for e in d.log_events()
-        if e.get("event") == "alert firing" and e.get("alert") == name and e.get("label_pid") == str(pid)
-    )
-
-
-def fired(d: DaemonProcess, name: str) -> set[str]:
-    """The causes an alert fired with, from the daemon's log."""
-    return {str(e["cause"]) for e in d.log_events() if e.get("event") == "alert firing" and e.get("alert") == name}
-
-
-def tapped(d: DaemonProcess, pid: int) -> None:
-    wait_until(lambda: d.value("kvwatch_kv_event_stream_connected", pid=str(pid)) == 1, 20, "stream connected")
-    wait_until(lambda: d.value("kvwatch_engine_scrapes_total", pid=str(pid), result="ok") > 0, 20, "first scrape")
-
-
-def quiesce(sim: SimulatedEngineProcess, d: DaemonProcess) -> dict[str, int]:
-    sim.do(IDLE)
-    time.sleep(0.2)
-    st = sim.stats()
-    wait_until(
-        lambda: d.value("kvwatch_kv_event_batches_total", pid=str(sim.pid)) >= st["batches"], 10, "all batches counted"
-    )
-    time.sleep(1.2)  # one more tick publishes them
-    return st
-
-
 def test_pressure_burst_alert_and_exact_counts(tmp_path: Path, kvwatch: DaemonProcess) -> None:
     with engine(tmp_path) as sim:
         tapped(kvwatch, sim.pid)
         sim.do(HOT)
-        time.sleep(22)  # fill the cache, then hit it; kvwatch learns this as normal
+        kvwatch.run_for(22)  # fill the cache, then hit it; kvwatch learns this as normal
         assert alert(kvwatch, sim.pid) is None
         sim.do("active 3800")  # running requests take 95 % of the pool: cached prefixes evicted
         wait_until(lambda: alert(kvwatch, sim.pid) is not None, 15, "KVEvictionBurst")
@@ -146,13 +67,13 @@ def test_unexpected_burst_fires_but_reset_does_not(tmp_path: Path, kvwatch: Daem
         tapped(kvwatch, sim.pid)
         sim.do("active 400")
         sim.do(HOT)
-        time.sleep(22)
+        kvwatch.run_for(22)
         sim.do("evict 1500 1")  # three quarters of the hot blocks gone at 10 % usage, in the step of
         # a prefix-cache reset: intentional
-        time.sleep(8)
+        kvwatch.run_for(8)  # two windows judged
         assert kvwatch.value("kvwatch_alerts_fired_total", alert="KVEvictionBurst") == 0
         assert kvwatch.value("kvwatch_kv_cache_resets_total", pid=str(sim.pid)) == 1
-        time.sleep(22)  # quiet period over, re-learnt
+        kvwatch.run_for(22)  # quiet period over, re-learnt
         sim.do("evict 1500")  # the same burst without a reset
         wait_until(lambda: alert(kvwatch, sim.pid) is not None, 15, "KVEvictionBurst")
         labels = alert(kvwatch, sim.pid)
@@ -167,7 +88,7 @@ def test_gaps_replay_loss_garbage_and_engine_restart(tmp_path: Path, kvwatch: Da
         tapped(kvwatch, sim.pid)
         pid = str(sim.pid)
         sim.do(HOT)
-        time.sleep(3)
+        kvwatch.run_for(3)
         sim.do(IDLE)
         sim.do("lose 3")  # three batches miss the wire, the replay endpoint still has them
         for _ in range(3):
@@ -179,8 +100,8 @@ def test_gaps_replay_loss_garbage_and_engine_restart(tmp_path: Path, kvwatch: Da
         sim.do("garbage")  # takes a sequence number: the second gap is seen here
         sim.do("evict 1")
         st = sim.stats()
-        wait_until(lambda: kvwatch.value("kvwatch_kv_event_batches_lost_total", pid=pid) == 2, 10, "loss counted")
-        time.sleep(1.2)
+        wait_until(lambda: kvwatch.value("kvwatch_kv_event_batches_lost_total", pid=pid) == 2, 30, "loss counted")
+        kvwatch.wait_ticks(2)
         assert kvwatch.value("kvwatch_kv_event_gaps_total", pid=pid) == 2
         assert kvwatch.value("kvwatch_kv_event_batches_replayed_total", pid=pid) == 3
         assert kvwatch.value("kvwatch_kv_event_decode_errors_total", pid=pid, kind="payload") == 1
@@ -194,7 +115,7 @@ def test_gaps_replay_loss_garbage_and_engine_restart(tmp_path: Path, kvwatch: Da
         tapped(kvwatch, sim.pid)
         assert kvwatch.value("kvwatch_kv_event_stream_connected", pid=pid) == 0  # the old one is gone
         sim.do("traffic 20 10 4 0")
-        time.sleep(2)
+        kvwatch.run_for(2)
         st = quiesce(sim, kvwatch)
         assert kvwatch.value("kvwatch_kv_blocks_stored_total", pid=str(sim.pid), medium="GPU") == st["stored"] > 0
     finally:
@@ -215,7 +136,7 @@ def test_broken_prefix_cache_is_not_hit(tmp_path: Path, kvwatch: DaemonProcess) 
         # announcements, counted so on the stream; with no hit to match, the detector counts them
         # as stored while held (its values say so)
         assert kvwatch.value("kvwatch_kv_blocks_announced_total", pid=pid, medium="GPU") > 0
-        values = kvwatch_alert_values(kvwatch, sim.pid, "KVPrefixCacheIneffective")
+        values = alert_values(kvwatch, sim.pid, "KVPrefixCacheIneffective")
         assert values["stored_while_held"] > 0 and values["recurring_fraction"] >= 0.05
 
 
@@ -225,9 +146,9 @@ def test_preemption_livelock_fires_and_clears(tmp_path: Path, kvwatch: DaemonPro
         sim.do("traffic 20 250 8 0")
         sim.do("decode 2000")
         sim.do("preempting 1")  # preempting at a healthy throughput: no livelock
-        time.sleep(12)  # the healthy rate is learnt from calm windows only: none yet
+        kvwatch.run_for(12)  # the healthy rate is learnt from calm windows only: none yet
         sim.do("preempting 0")
-        time.sleep(12)  # calm: learnt
+        kvwatch.run_for(12)  # calm: learnt
         assert kvwatch.value("kvwatch_alerts_fired_total", alert="KVPreemptionLivelock") == 0
         sim.do("preempting 5")
         sim.do("decode 50")

@@ -18,8 +18,8 @@ from kvwatch.daemon.engines.metrics import parse_exposition
 from kvwatch.daemon.engines.views import AuditRow
 from kvwatch.daemon.series import CounterSeries, SeriesSet
 
+from tests.support.kv_scripts import REAL_BLOCK_BYTES
 from tests.tools.vllm_run_fixtures import uncompact
-from tests.unit.test_kv_ledger import REAL_BLOCK_BYTES
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 MIB = 1 << 20

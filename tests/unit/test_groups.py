@@ -15,11 +15,10 @@ import msgspec
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_GROUPS, MediumGroups
-from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import OTHER_GROUP, GroupTotals, StreamStats
 from kvwatch.daemon.lab import wire_encode as we
 
-from tests.unit.test_kv_events import script_stats
+from tests.support.kv_scripts import script_stats
 
 BS = 16
 SW = ("sliding_window", 256)
@@ -53,7 +52,7 @@ def group(s: StreamStats, medium: str, idx: int) -> GroupTotals:
     return next(g for g in s.groups if g.medium == medium and g.group == idx)
 
 
-def test_one_range_in_six_groups_is_six_blocks_not_five_restored(hub: KVEventHub) -> None:
+def test_one_range_in_six_groups_is_six_blocks_not_five_restored() -> None:
     """The false page: the same hash in six groups counted as stored again while held (5 of 6)."""
     script = [
         (100.0, per_group(list(range(23)), GEMMA3)),
@@ -61,7 +60,7 @@ def test_one_range_in_six_groups_is_six_blocks_not_five_restored(hub: KVEventHub
         (102.0, gone(list(range(10)), range(1, 6))),  # the sliding groups free what left their window
         (103.0, gone(list(range(5)), range(1))),
     ]
-    s = script_stats(hub, script)
+    s = script_stats(script)
     gpu = s.media["GPU"]
     assert (gpu.stored, gpu.removed, gpu.restored, gpu.resident) == (46, 5, 0, 41)  # group 0, logical
     for i in range(1, 6):
@@ -73,21 +72,21 @@ def test_one_range_in_six_groups_is_six_blocks_not_five_restored(hub: KVEventHub
     assert sum(g.totals.stored for g in s.groups) == 6 * 46  # physical: every group's blocks
 
 
-def test_stored_again_while_held_is_counted_within_its_group(hub: KVEventHub) -> None:
+def test_stored_again_while_held_is_counted_within_its_group() -> None:
     script = [
         (100.0, per_group(list(range(10)), (FULL, SW))),
         (101.0, per_group(list(range(4, 10)), (FULL, SW), parent=3)),  # recomputed while held: 6 per group
         (102.0, gone(list(range(10)), range(2))),
         (103.0, per_group(list(range(3)), (FULL, SW))),  # back after removal: 3 regretted per group
     ]
-    s = script_stats(hub, script)
+    s = script_stats(script)
     for i in range(2):
         t = group(s, "GPU", i).totals
         assert (t.stored, t.restored, t.removed, t.regretted, t.regret_tokens) == (19, 6, 10, 3, 3 * BS)
     assert s.media["GPU"].restored == 6 and s.media["GPU"].regretted == 3
 
 
-def test_prefix_hits_announced_again_are_not_stores(hub: KVEventHub) -> None:
+def test_prefix_hits_announced_again_are_not_stores() -> None:
     """kv_cache_report_mode "full": the hit's blocks re-announced from the first, no parent, per group
     (a sliding-window group's include blocks it no longer holds): counted announced, nothing else."""
     script = [
@@ -97,54 +96,54 @@ def test_prefix_hits_announced_again_are_not_stores(hub: KVEventHub) -> None:
         (102.0, per_group(list(range(20, 26)), (FULL, SW), parent=19)),  # the rest, computed
         (103.0, per_group([0, 1, 2], (FULL, SW))),  # the sliding group lost 0..3: a real store there
     ]
-    s = script_stats(hub, script)
+    s = script_stats(script)
     full, sliding = group(s, "GPU", 0).totals, group(s, "GPU", 1).totals
     assert (full.stored, full.announced, full.restored, full.regretted) == (26, 20 + 3, 0, 0)
     assert (sliding.stored, sliding.announced, sliding.restored, sliding.regretted) == (29, 20, 0, 3)
     assert s.media["GPU"].announced == 23 and s.media["GPU"].stored == 26
 
 
-def test_sliding_window_only_model_follows_its_only_group(hub: KVEventHub) -> None:
-    s = script_stats(hub, [(100.0, per_group(list(range(8)), (SW,))), (101.0, gone([0, 1], range(1)))])
+def test_sliding_window_only_model_follows_its_only_group() -> None:
+    s = script_stats([(100.0, per_group(list(range(8)), (SW,))), (101.0, gone([0, 1], range(1)))])
     g = group(s, "GPU", 0)
     assert g.reference and not g.full and s.media["GPU"].removed == 2
 
 
-def test_logical_counts_stay_monotonic_when_the_full_group_shows_up_late(hub: KVEventHub) -> None:
+def test_logical_counts_stay_monotonic_when_the_full_group_shows_up_late() -> None:
     """Removals of groups whose kind is not said yet, then stores saying group 0 is a window."""
     script = [
         (100.0, [we.removed([1, 2, 3], group_idx=0)]),  # kind unknown: group 0 is the reference
         (101.0, per_group(list(range(10, 15)), (SW, FULL))),  # group 0 slides, group 1 is full
         (102.0, [we.removed([10, 11], group_idx=0), we.removed([10], group_idx=1)]),
     ]
-    s = script_stats(hub, script)
+    s = script_stats(script)
     gpu = s.media["GPU"]
     assert (gpu.removed, gpu.stored, gpu.resident) == (3 + 1, 5, 4)  # 3 while group 0 led, then group 1's
     assert [g.group for g in s.groups if g.reference] == [1]
 
 
-def test_other_media_keep_their_groups_and_locality(hub: KVEventHub) -> None:
+def test_other_media_keep_their_groups_and_locality() -> None:
     cpu = [
         we.stored([h], [], medium="CPU", block_size=0, group_idx=0, locality="LOCAL") for h in range(5)
     ]  # the offloading connector's placeholders
     fs = [we.stored([7], [], medium="FS", block_size=0, group_idx=0, locality="REMOTE")]
-    s = script_stats(hub, [(100.0, per_group(list(range(5)), (FULL, SW))), (101.0, cpu + fs)])
+    s = script_stats([(100.0, per_group(list(range(5)), (FULL, SW))), (101.0, cpu + fs)])
     assert s.localities == {"CPU": "LOCAL", "FS": "REMOTE"}
     assert s.media["CPU"].stored == 5 and group(s, "CPU", 0).totals.stored == 5
 
 
-def test_a_tier_below_takes_the_pools_group_kinds(hub: KVEventHub) -> None:
+def test_a_tier_below_takes_the_pools_group_kinds() -> None:
     """The offloading connector's placeholders name their group only: a hybrid model's CPU tier
     follows the GPU pool's full-attention group, whichever index the groups came in."""
     groups = (SW, SW, FULL)
     cpu = [we.stored([h], [], medium="CPU", block_size=0, group_idx=g) for g in (1, 0, 2) for h in range(4)]
-    s = script_stats(hub, [(100.0, per_group(list(range(4)), groups)), (100.5, cpu)])
+    s = script_stats([(100.0, per_group(list(range(4)), groups)), (100.5, cpu)])
     ref = [g for g in s.groups if g.medium == "CPU" and g.reference]
     assert [(g.group, g.kind) for g in ref] == [(2, "full_attention")]
     assert group(s, "CPU", 0).kind == "sliding_window" and s.media["CPU"].stored == 4
 
 
-def test_offload_drop_is_judged_per_group_and_only_where_whole_prefixes_live(hub: KVEventHub) -> None:
+def test_offload_drop_is_judged_per_group_and_only_where_whole_prefixes_live() -> None:
     """A full-attention block removed from the GPU and never offloaded was dropped; a sliding
     group's block leaving without an offload is its window at work."""
     cpu = [we.stored([h], [], medium="CPU", block_size=0, group_idx=0) for h in range(6)]
@@ -154,7 +153,7 @@ def test_offload_drop_is_judged_per_group_and_only_where_whole_prefixes_live(hub
         (101.0, gone(list(range(10)), range(2))),
         (120.0, []),  # later than the offload's settling time
     ]
-    s = script_stats(hub, script)
+    s = script_stats(script)
     assert group(s, "GPU", 0).totals.dropped == 4 and group(s, "GPU", 1).totals.dropped == 0
 
 
@@ -167,18 +166,18 @@ def test_a_group_past_the_cap_is_other() -> None:
     assert len(t) == MAX_GROUPS + 1 and len(other) == 1 and other[0].totals.stored == 3
 
 
-def test_extra_keys_counted_and_the_salt_never_shown(hub: KVEventHub) -> None:
+def test_extra_keys_counted_and_the_salt_never_shown() -> None:
     salt = "tenant-secret-8c1f"
     first = [["my-adapter", ["mm-hash-1", 0], salt], None, [b"\x01" * 32]]
     evs = per_group([1, 2, 3], (FULL, SW), lora_name="my-adapter", extra_keys=first)
-    s = script_stats(hub, [(100.0, evs)])
+    s = script_stats([(100.0, evs)])
     assert s.extras == {"lora": 3, "cache_salt": 1, "multimodal": 1, "prompt_embeds": 1}  # reference group only
     k = w.extra_keys(first[0], "my-adapter")
     assert (k.lora, k.multimodal, k.salt) == ("my-adapter", 1, salt)
     assert salt not in repr(k) and salt not in repr(s)
 
 
-def test_newer_fields_and_types_never_break_a_batch(hub: KVEventHub) -> None:
+def test_newer_fields_and_types_never_break_a_batch() -> None:
     """A newer release: a field kvwatch does not know, a group_idx that is not an int, an event
     type it does not know. Blocks are counted; what could not be read is counted by kind."""
     enc = msgspec.msgpack.Encoder()

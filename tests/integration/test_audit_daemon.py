@@ -10,8 +10,8 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.engine_sim import BLOCK_BYTES
 
-from tests.integration.test_engine_daemon import alert, engine, tapped
-from tests.privileged.helpers import DaemonProcess, daemon, wait_until
+from tests.support.daemon import DaemonProcess, daemon, wait_until
+from tests.support.engine_sim import alert, engine, tapped
 
 CONFIG = f"""
 [daemon]

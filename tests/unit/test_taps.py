@@ -17,7 +17,7 @@ from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.tracker import Tracked
 
-from tests.procfixture import FakeProc, make_proc
+from tests.support.procfs import FakeProc, make_proc
 
 FIB_TRIE = """Main:
   +-- 0.0.0.0/0 3 0 5

@@ -1,4 +1,6 @@
-"""Eviction regret: a block hash stored again after the engine removed it, counted exactly.
+"""One medium's blocks (``engines/blocks.py``, on ``engines/hashmem.py``): removals young by the
+engine's own timestamps, and eviction regret (a block hash stored again after the engine removed
+it), counted exactly.
 
 Scripted streams with a known answer: per medium, the regretted blocks, the tokens they
 imply (block_size each), the time from removal to store again (histogram), what a reset
@@ -15,19 +17,36 @@ from typing import Any
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.hashmem import HashMemory
-from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import REGRET_BUCKETS
 from kvwatch.daemon.lab import wire_encode as we
 
+from tests.support.kv_scripts import publish_script, script_stats
 from tests.tools.vllm_run_fixtures import uncompact
-from tests.unit.test_kv_events import publish_script
 
 BS = 16  # tokens per block
-REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"  # see test_vllm_replay.py
+REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"  # see test_daemon_vllm_replay.py
 
 
 def bucket(seconds: float) -> int:
     return next((i for i, le in enumerate(REGRET_BUCKETS) if seconds <= le), len(REGRET_BUCKETS))
+
+
+def test_young_removals_from_engine_timestamps() -> None:
+    t0 = 1_000_000.0
+    s = script_stats(
+        [
+            (t0, [we.stored(list(range(10)), list(range(160)))]),
+            (t0 + 1.0, [we.removed([0, 1, 2])]),  # 1 s old: young (thrash_seconds 5)
+            (t0 + 60.0, [we.removed([3, 4])]),  # a minute old: not young
+            (t0 + 61.0, [we.removed([999])]),  # never seen stored: not young
+            (t0 + 62.0, [we.cleared()]),
+            (t0 + 62.5, [we.removed([5])]),  # the reset forgot its store time
+        ],
+        thrash_seconds=5.0,
+    )
+    m = s.media["GPU"]
+    assert (s.batches, m.stored, m.removed, m.removed_young) == (6, 10, 7, 3)
+    assert s.cleared == 1
 
 
 def test_regret_counted_with_tokens_and_time_to_store_again() -> None:
@@ -88,8 +107,8 @@ def regret_script() -> list[tuple[float, list[dict[str, Any]]]]:
     ]
 
 
-def test_regret_over_the_wire_per_medium(hub: KVEventHub) -> None:
-    media = publish_script(hub, regret_script())
+def test_regret_over_the_wire_per_medium() -> None:
+    media = publish_script(regret_script())
     gpu, cpu = media["GPU"], media["CPU"]
     assert (gpu.regretted, gpu.regret_tokens, gpu.regret_seconds) == (23, 23 * BS, 23.0)
     assert (cpu.regretted, cpu.regret_tokens, cpu.regret_seconds) == (11, 11 * BS, 11 * 60.0)

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.views import EnginePlan, EngineView
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.exporters.record import TraceRecorder
 
-from tests.privileged.helpers import daemon, free_port, wait_until
-from tests.unit.test_kv_events import script_stats
-from tests.unit.test_record import T0_NS, T0_WALL, snap
+from tests.support.daemon import daemon, free_port, wait_until
+from tests.support.kv_scripts import script_stats
+from tests.support.snapshots import T0_NS, T0_WALL, snap
 
 SALTS = [f"tenant-{i}-s3cr3t-{i * 7919:x}" for i in range(23)]
 CONFIG = """
@@ -110,12 +109,7 @@ def test_salts_are_counted_never_shown(stand_in: Any, tmp_path: Path) -> None:
 
 
 def test_salts_never_reach_a_trace() -> None:
-    hub = KVEventHub()
-    hub.start()
-    try:
-        stats = script_stats(hub, script())
-    finally:
-        hub.close()
+    stats = script_stats(script())
     assert stats.extras["cache_salt"] == 23 and "s3cr3t" not in repr(stats)
     s = snap(5.0, 100, 0)
     view = EngineView(EnginePlan("7@1", 7), (stats,), None, None, None)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
-from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger
 from kvwatch.daemon.engines.views import (
     EngineSample,
@@ -26,13 +25,11 @@ from kvwatch.daemon.engines.views import (
 )
 from kvwatch.daemon.lab import wire_encode as we
 
+from tests.support.kv_scripts import REAL_BLOCK_BYTES, publish_script
 from tests.tools.vllm_run_fixtures import uncompact
-from tests.unit.test_kv_events import publish_script
 
 BS = 16
 REAL_RUN = Path(__file__).parents[1] / "fixtures" / "vllm_run" / "pressure.json.gz"
-# the real run's model: 16 layers, 8 KV heads of 64, bf16, K and V, 16 tokens a block
-REAL_BLOCK_BYTES = 2 * 16 * 8 * 64 * 2 * 16
 
 
 def ledger_script() -> list[tuple[float, list[dict[str, Any]]]]:
@@ -55,8 +52,8 @@ def ledger_script() -> list[tuple[float, list[dict[str, Any]]]]:
     ]
 
 
-def test_stream_counts_evicted_dropped_and_cleared(hub: KVEventHub) -> None:
-    media = publish_script(hub, ledger_script())
+def test_stream_counts_evicted_dropped_and_cleared() -> None:
+    media = publish_script(ledger_script())
     gpu, cpu = media["GPU"], media["CPU"]
     assert (gpu.removed, gpu.dropped, gpu.cleared, gpu.resident) == (5 + 42 + 3, 13, 11, 0)
     assert (cpu.removed, cpu.dropped, cpu.cleared, cpu.resident) == (7, 0, 22, 0)
