@@ -5,12 +5,14 @@ by which kvwatch's counts close against it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import subprocess
 import threading
 import time
 
 from kvwatch.daemon.lab.workloads import Workload
-from kvwatch.probes.tracefs import bcc_probe_events_of, tracefs_root
+from kvwatch.probes.tracefs import tracefs_root
 
 
 class Child(Workload):
@@ -94,22 +96,27 @@ def assert_closes(got: float, expected: float, skipped: float, what: str = "kvwa
         assert expected - skipped <= got <= expected, f"{what}: {got} vs {expected} with {skipped} skipped runs"
 
 
+def uprobe_files(pid: int) -> list[str]:
+    """The file of each uprobe that process ``pid`` holds through a perf event, as the kernel
+    reports it (``bpftool perf show``: bcc attaches uprobes through perf events, not tracefs)."""
+    out = subprocess.run(["bpftool", "-j", "perf", "show"], capture_output=True, text=True, check=True).stdout
+    return [e["filename"] for e in json.loads(out or "[]") if e.get("pid") == pid and e.get("fd_type") == "uprobe"]
+
+
 def wait_uprobes(tracer_pid: int, *libraries: str, timeout: float = 60.0) -> int:
-    """Until process ``tracer_pid`` (kvwatch, through bcc) has uprobes in tracefs on a library
-    whose path contains each of ``libraries``, and their number has held over three reads half a
-    second apart (an attach registers its symbols one by one); returns that number. For a
-    kvwatch that serves nothing to ask (``kvwatch record``): the kernel's own list shows it."""
-
-    def probed() -> list[str]:
-        return [line.split()[1] for line in bcc_probe_events_of(tracer_pid) if len(line.split()) > 1]
-
+    """Until process ``tracer_pid`` (kvwatch, through bcc) holds uprobes on a library whose path
+    contains each of ``libraries``, and their number has held over three reads half a second
+    apart (an attach registers its symbols one by one); returns that number. For a kvwatch that
+    serves nothing to ask (``kvwatch record``): the kernel's own list shows it."""
     deadline = time.monotonic() + timeout
     counts: list[int] = []
     while time.monotonic() < deadline:
-        paths = probed()
-        if all(any(lib in p for p in paths) for lib in libraries):
-            counts.append(len(paths))
+        files = uprobe_files(tracer_pid)
+        if all(any(lib in f for f in files) for lib in libraries):
+            counts.append(len(files))
             if len(counts) >= 3 and counts[-1] == counts[-2] == counts[-3]:
                 return counts[-1]
         time.sleep(0.5)
-    raise AssertionError(f"uprobes of {tracer_pid} on {libraries} not settled after {timeout}s: {probed()[:5]}")
+    raise AssertionError(
+        f"uprobes of {tracer_pid} on {libraries} not settled after {timeout}s: {uprobe_files(tracer_pid)[:5]}"
+    )
