@@ -216,7 +216,6 @@ class EngineView:
     scrape_age: float | None  # seconds since the last good scrape
     hit_ratio: float | None  # prefix-cache hits / queries over the rate window (tokens)
     regret_ratio: Mapping[str, float] = field(default_factory=dict)  # medium -> regretted / removed, same window
-    losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause) -> cumulative
     block_bytes: int | None = None  # bytes of one KV block, where known
     block_bytes_source: str = ""  # config / offload
     tiers: tuple[TierReading, ...] = ()  # the engine's KV tier counters, last scrape
