@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.privileged.helpers import DaemonProcess, wait_until
+from tests.support.daemon import DaemonProcess, wait_until
 
 HERE = Path(__file__).resolve().parent
 CONFIG = r"""

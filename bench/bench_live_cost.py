@@ -49,7 +49,7 @@ from bench_memory import ITERS, PAGES, run_workload
 from bench_memory import build as build_munmap_loop
 from kvwatch.daemon.lab.stublib import build as build_stub
 
-from tests.privileged.helpers import DaemonProcess, settled, wait_until
+from tests.support.daemon import DaemonProcess, wait_until
 
 PAIRS = 200_000  # cudaMalloc+cudaFree pairs per run: 400,000 probed calls
 TICK = 0.25
@@ -222,14 +222,14 @@ def cuda_watched(d: DaemonProcess, exe: Path, lib: str) -> dict[str, float]:
 
         # the probes attach one symbol after another (the driver's, then the runtime's)
         wait_until(loop_apis_attached, 60, "cudaMalloc and cudaFree probed")
-        settled(attached, quiet=1.0, timeout=60)
+        d.settled(attached, ticks=4, timeout=60)
         m0 = d.metrics()
         calls, ns = loop.go()
 
         def cost() -> float:
             return d.value("kvwatch_uprobe_cost_seconds_total", pid=pid, family="cuda")
 
-        settled(cost, quiet=4 * TICK, timeout=30)  # held open: every call accounted once it stops moving
+        d.settled(cost, ticks=4, timeout=30)  # held open: every call accounted once it stops moving
         m1 = d.metrics()
     finally:
         loop.close()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
 
-from tests.privileged.helpers import DaemonProcess, wait_until
+from tests.support.daemon import DaemonProcess, wait_until
 
 CLK = os.sysconf("SC_CLK_TCK")
 ITERS, PAGES = 400, 2048
