@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.engines.views import EngineView, LossTotal, TierReading
+from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal, TierReading
 from kvwatch.daemon.families.transfer import TransferProcessState
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import (
@@ -44,7 +44,7 @@ class ProcessParts:
     engine_window: float  # the window of the engine's ratios (KVEvictionBurst's)
     block_bytes: Callable[[str], tuple[int, str] | None]  # by process key: the ledger's block size
     losses: Mapping[str, Mapping[tuple[str, str], LossTotal]]  # by process key
-    audit: Mapping[str, tuple[object, ...]]  # by process key
+    audit: Mapping[str, tuple[AuditRow, ...]]  # by process key
     costs: Callable[[str, int], tuple[FamilyCost, ...]]  # (key, pid)
     gpu_used: Mapping[int, int]
 
@@ -101,7 +101,11 @@ def process_rates(s: SeriesSet) -> ProcessRates:
         sn.XFER_BYTES,
     )
     r = s.rates(fixed, RATE_WINDOW)
-    lost = {tuple(k.split(":", 1)): v for k, v in _keyed_rates(s, sn.KV_LOST_BYTES).items() if ":" in k}
+    lost: dict[tuple[str, str], float] = {}
+    for key, v in _keyed_rates(s, sn.KV_LOST_BYTES).items():  # "tier:cause"
+        tier, sep, cause = key.partition(":")
+        if sep:
+            lost[(tier, cause)] = v
     return ProcessRates(
         page_free_pages=r[sn.PAGE_FREE_PAGES],
         direct_reclaim_seconds=r[sn.DIRECT_RECLAIM_SECONDS],
@@ -113,7 +117,7 @@ def process_rates(s: SeriesSet) -> ProcessRates:
         xfer_bytes=r[sn.XFER_BYTES],
         kv_removed_blocks=_keyed_rates(s, sn.KV_REMOVED),
         kv_regretted_blocks=_keyed_rates(s, sn.KV_REGRETTED),
-        kv_lost_bytes=lost,  # type: ignore[arg-type]
+        kv_lost_bytes=lost,
     )
 
 
@@ -196,7 +200,7 @@ def process_views(tracked: Sequence[Tracked], parts: ProcessParts) -> tuple[Proc
             transfers=transfer_view(parts.transfers(t.pid), t.series),
             engine=engine_view(parts.engines(t), t.series, parts.engine_window, parts.block_bytes(t.key)),
             kv_losses=parts.losses.get(t.key, {}),
-            kv_audit=parts.audit.get(t.key, ()),  # type: ignore[arg-type]
+            kv_audit=parts.audit.get(t.key, ()),
             uprobe_costs=parts.costs(t.key, t.pid),
         )
         for t in tracked

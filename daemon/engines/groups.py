@@ -24,6 +24,12 @@ MAX_GROUPS = 16  # per medium; more are counted together as OTHER_GROUP
 MAX_KIND_CHARS = 40
 
 
+def group_key(idx: int | None) -> int:
+    """The group an event names: its ``group_idx``, or 0 where it names none (a single-group
+    engine, vLLM before 0.26) or a negative one."""
+    return idx if isinstance(idx, int) and idx >= 0 else 0
+
+
 class MediumGroups:
     __slots__ = ("_offset", "_ref", "_ref_at", "bounds", "groups", "kinds", "like", "locality", "windows")
 
@@ -44,7 +50,7 @@ class MediumGroups:
         g = self.groups.get(0 if idx is None else idx)  # the per-event path: a known group
         if g is not None:
             return g
-        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        key = group_key(idx)
         g = self.groups.get(key)
         if g is None:
             if len(self.groups) >= MAX_GROUPS:
@@ -71,7 +77,7 @@ class MediumGroups:
         group's kind for the first time (or a new one)."""
         if locality and locality != self.locality and len(locality) <= MAX_KIND_CHARS:
             self.locality = locality
-        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        key = group_key(idx)
         if kind is None or key not in self.groups or self.kinds.get(key) == kind:
             return False
         self.kinds[key] = kind if len(kind) <= MAX_KIND_CHARS and kind.isprintable() else "unknown"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
-from kvwatch.daemon.engines.groups import MediumGroups
+from kvwatch.daemon.engines.groups import MediumGroups, group_key
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
@@ -109,8 +109,12 @@ class StreamCounts:
                 for m in self.media.values():
                     m.drop_all()
         self._settle(ts)
-        if not self._learning and len(self.media) + sum(len(m.groups) for m in self.media.values()) != self._named:
+        if not self._learning and self._count_named() != self._named:
             self._learning = LEARN_BATCHES  # a group (or medium) showed up late
+
+    def _count_named(self) -> int:
+        """Media and groups known: a change means the engine named one more."""
+        return len(self.media) + sum(len(m.groups) for m in self.media.values())
 
     def _learn(self, events: Sequence[Event]) -> None:
         """The groups a batch names, known before any of its blocks count (their reference settled
@@ -118,7 +122,7 @@ class StreamCounts:
         its first batches (every request is cached in every group): once LEARN_BATCHES batches in
         a row taught nothing, batches are no longer read twice, until a group or kind shows up."""
         learnt = False
-        groups = len(self.media) + sum(len(m.groups) for m in self.media.values())
+        groups = self._count_named()
         for ev in events:
             if isinstance(ev, BLOCK_EVENTS) and ev.group_idx is not None:
                 mg = self._medium(ev.medium)
@@ -129,7 +133,7 @@ class StreamCounts:
         if learnt:
             for m in self.media.values():
                 m.choose()
-        named = len(self.media) + sum(len(m.groups) for m in self.media.values())
+        named = self._count_named()
         self._learning = LEARN_BATCHES if learnt or named != groups else self._learning - 1
         self._named = named
 
@@ -178,7 +182,7 @@ class StreamCounts:
         reached). A window-bounded group's blocks are offloaded by window, if at all: not judged."""
         if (name or DEFAULT_MEDIUM) != DEFAULT_MEDIUM:
             return []
-        key = idx if isinstance(idx, int) and idx >= 0 else 0
+        key = group_key(idx)
         out = self._lowers.get(key)
         if out is None:
             out = self._lowers[key] = self._targets(mg, key)

@@ -11,18 +11,11 @@ from pathlib import Path
 from kvwatch.daemon.lab.engine_sim import BLOCK_BYTES
 
 from tests.support.daemon import DaemonProcess, daemon, wait_until
-from tests.support.engine_sim import alert, engine, tapped
+from tests.support.engine_sim import alert, engine, engines_only, tapped
 
-CONFIG = f"""
-[daemon]
-tick_seconds = 0.5
-[discovery]
-interval_seconds = 0.5
-nvml = "off"
-[probes]
-memory = []
-cuda = false
-transfer = false
+CONFIG = (
+    engines_only()
+    + f"""
 [engines]
 scrape_interval_seconds = 1.0
 kv_block_bytes = {BLOCK_BYTES}
@@ -32,6 +25,7 @@ floor_bytes = 4194304
 confirm_windows = 3
 clear_windows = 2
 """
+)
 UNIQUE = "traffic 20 50 8 1"  # 20 requests/s of new 8-block prompts: every block offloaded once
 ALERT = "KVEngineMetricDivergence"
 

@@ -15,41 +15,30 @@ every block counted exactly (the totals vLLM's own classes decoded in that windo
 
 from __future__ import annotations
 
-import gzip
-import json
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.lab.vllm_publisher import WirePublisher
-from kvwatch.daemon.lab.wire_encode import Layout, cleared, removed, stored
+from kvwatch.daemon.lab.wire_encode import cleared, removed, stored
 
-from tests.support.daemon import DaemonProcess, daemon, free_port, wait_until
+from tests.support.daemon import DaemonProcess
+from tests.support.engine_sim import engines_only
 from tests.support.kv_scripts import REAL_BLOCK_BYTES
-from tests.support.vllm_replay import Pages, onsets, serve, stand_in_process, through_the_window
+from tests.support.vllm_replay import load_run, onsets, replaying, through_the_window
 from tests.tools.vllm_run_fixtures import uncompact
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "vllm_run" / "pressure.json.gz"
 
-CONFIG = """
-[daemon]
-tick_seconds = 1.0
-[discovery]
-interval_seconds = 0.5
-nvml = "off"
-[probes]
-memory = []
-cuda = false
-transfer = false
+CONFIG = (
+    engines_only(tick_seconds=1.0)
+    + """
 [engines]
 endpoints = [{{ cmdline = "{marker}", kv_events = "{kv}", metrics_url = "{url}", engine = "vllm" }}]
 [detectors.eviction_burst]
 warmup_seconds = 0        # the window holds 35 s of steady load: learn from its first second
 baseline_min_seconds = 20
 """
+)
 
 
 def events(groups: list[list[Any]]) -> list[dict[str, Any]]:
@@ -100,82 +89,44 @@ def check_ledger(d: DaemonProcess, pid: str, totals: dict[str, Any]) -> None:
         assert d.value("kvwatch_kv_lost_bytes_total", pid=pid, tier=tier, cause=cause) == blocks * REAL_BLOCK_BYTES
 
 
-def replay(pub: WirePublisher, batches: list[list[Any]], t0: float, watch: Any) -> None:
-    next_watch = t0
-    for at, _seq, ts, _rank, groups in batches:  # one data-parallel rank (0) in the run
-        delay = t0 + at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        pub.publish(events(groups), ts=ts)
-        if time.monotonic() >= next_watch:
-            watch(time.monotonic() - t0)
-            next_watch += 5.0
-    pub.flush()
-
-
 @pytest.fixture(scope="module")
 def run() -> dict[str, Any]:
-    with gzip.open(FIXTURE, "rt") as f:
-        data: dict[str, Any] = json.load(f)
-    return data
+    return load_run(FIXTURE)
 
 
-@pytest.fixture
-def stand_in() -> Iterator[subprocess.Popen[bytes]]:
-    with stand_in_process("vllm-replay") as p:
-        yield p
+def test_real_vllm_pressure_replayed(run: dict[str, Any], tmp_path: Path) -> None:
+    with replaying(tmp_path, CONFIG, run, "vllm-replay") as r:
+        d, pid = r.d, r.pid
+        t0, wall0 = r.start()
+        seen: list[tuple[float, float, float]] = []  # for the failure message: t, hit ratio, usage
 
-
-def test_real_vllm_pressure_replayed(run: dict[str, Any], stand_in: Any, tmp_path: Path) -> None:
-    kv_port = free_port()
-    pages = Pages(run["pages"])
-    srv = serve(pages)
-    pub = WirePublisher(f"tcp://127.0.0.1:{kv_port}", layout=Layout.V0_26, topic="kv")
-    config = CONFIG.format(
-        marker=stand_in.marker, kv=f"tcp://127.0.0.1:{kv_port}", url=f"http://127.0.0.1:{srv.server_port}/metrics"
-    )
-    pid = str(stand_in.pid)
-    try:
-        with daemon(tmp_path, config) as d:
-            wait_until(lambda: d.value("kvwatch_kv_event_stream_connected", pid=pid) == 1, 30, "stream connected")
-            assert pub.wait_subscribed(), "kvwatch's subscription did not reach the publisher"
-            t0 = time.monotonic()
-            wall0 = time.time()
-            pages.t0 = t0
-            seen: list[tuple[float, float, float]] = []  # for the failure message: t, hit ratio, usage
-
-            def watch(t: float) -> None:
-                seen.append(
-                    (
-                        round(t),
-                        d.value("kvwatch_engine_prefix_cache_hit_ratio", pid=pid),
-                        d.value("kvwatch_kv_blocks_removed_total", pid=pid, medium="GPU"),
-                    )
+        def watch(t: float) -> None:
+            seen.append(
+                (
+                    round(t),
+                    d.value("kvwatch_engine_prefix_cache_hit_ratio", pid=pid),
+                    d.value("kvwatch_kv_blocks_removed_total", pid=pid, medium="GPU"),
                 )
-
-            replay(pub, run["batches"], t0, watch)
-            totals = run["totals"]
-            wait_until(
-                lambda: d.value("kvwatch_kv_event_batches_total", pid=pid) == totals["batches"], 60, "every batch"
             )
-            through_the_window(d, pid, t0 + run["window_seconds"])
-            for medium in ("GPU", "CPU"):
-                for what in ("stored", "removed"):
-                    got = d.value(f"kvwatch_kv_blocks_{what}_total", pid=pid, medium=medium)
-                    assert got == totals[what][medium], (what, medium)
-            assert d.value("kvwatch_kv_event_gaps_total", pid=pid) == 0
-            expected = regrets(run["batches"])
-            assert expected["GPU"][0] == 480  # the hot prefixes' blocks, stored again after the pressure
-            for medium, (blocks, tokens) in expected.items():
-                assert d.value("kvwatch_kv_blocks_regretted_total", pid=pid, medium=medium) == blocks, medium
-                assert d.value("kvwatch_kv_regret_recomputed_tokens_total", pid=pid, medium=medium) == tokens
-            lost = dict((lab["source"], v) for lab, v in d.metrics()["kvwatch_events_lost_total"])
-            assert lost["kv_removals_forgotten"] == 0  # every removal remembered: none of the regrets missed
-            check_ledger(d, pid, totals)
-            alerts = onsets(d)
-    finally:
-        pub.close()
-        srv.shutdown()
+
+        r.publish(run["batches"], events, t0, watch)
+        totals = run["totals"]
+        r.wait_every_batch(totals["batches"])
+        through_the_window(d, pid, t0 + run["window_seconds"])
+        for medium in ("GPU", "CPU"):
+            for what in ("stored", "removed"):
+                got = d.value(f"kvwatch_kv_blocks_{what}_total", pid=pid, medium=medium)
+                assert got == totals[what][medium], (what, medium)
+        assert d.value("kvwatch_kv_event_gaps_total", pid=pid) == 0
+        expected = regrets(run["batches"])
+        assert expected["GPU"][0] == 480  # the hot prefixes' blocks, stored again after the pressure
+        for medium, (blocks, tokens) in expected.items():
+            assert d.value("kvwatch_kv_blocks_regretted_total", pid=pid, medium=medium) == blocks, medium
+            assert d.value("kvwatch_kv_regret_recomputed_tokens_total", pid=pid, medium=medium) == tokens
+        lost = dict((lab["source"], v) for lab, v in d.metrics()["kvwatch_events_lost_total"])
+        assert lost["kv_removals_forgotten"] == 0  # every removal remembered: none of the regrets missed
+        check_ledger(d, pid, totals)
+        alerts = onsets(d)
     pressure = wall0 + run["marks"]["pressure_start"]
     bursts = [e for e in alerts if e["alert"] == "KVEvictionBurst"]
     assert [e for e in alerts if e["wall"] < pressure] == [], "an alert while steady"

@@ -8,7 +8,6 @@ and a multimodal input; `kvwatch run` taps it (no BPF, no root)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,23 +20,19 @@ from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.exporters.record import TraceRecorder
 
 from tests.support.daemon import daemon, free_port, wait_until
+from tests.support.engine_sim import engines_only
 from tests.support.kv_scripts import script_stats
 from tests.support.snapshots import T0_NS, T0_WALL, snap
+from tests.support.vllm_replay import stand_in_process
 
 SALTS = [f"tenant-{i}-s3cr3t-{i * 7919:x}" for i in range(23)]
-CONFIG = """
-[daemon]
-tick_seconds = 0.5
-[discovery]
-interval_seconds = 0.5
-nvml = "off"
-[probes]
-memory = []
-cuda = false
-transfer = false
+CONFIG = (
+    engines_only()
+    + """
 [engines]
 endpoints = [{{ cmdline = "{marker}", kv_events = "{kv}", engine = "vllm" }}]
 """
+)
 
 
 def script() -> list[tuple[float, list[dict[str, Any]]]]:
@@ -66,14 +61,8 @@ def script() -> list[tuple[float, list[dict[str, Any]]]]:
 
 @pytest.fixture
 def stand_in() -> Iterator[subprocess.Popen[bytes]]:
-    marker = f"vllm-salted-{free_port()}"
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", marker])
-    p.marker = marker  # type: ignore[attr-defined]
-    try:
+    with stand_in_process("vllm-salted") as p:
         yield p
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_salts_are_counted_never_shown(stand_in: Any, tmp_path: Path) -> None:

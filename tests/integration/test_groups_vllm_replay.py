@@ -20,34 +20,21 @@ cleared after; no other alert.
 
 from __future__ import annotations
 
-import gzip
-import json
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvwatch.daemon.lab import wire_encode as we
-from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 
-from tests.support.daemon import daemon, free_port, wait_until
-from tests.support.vllm_replay import Pages, onsets, serve, stand_in_process, through_the_window
+from tests.support.engine_sim import engines_only
+from tests.support.vllm_replay import load_run, onsets, replaying, through_the_window
 from tests.tools.vllm_groups_fixture import uncompact
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "vllm_run" / "full.json.gz"
 
-CONFIG = """
-[daemon]
-tick_seconds = 1.0
-[discovery]
-interval_seconds = 0.5
-nvml = "off"
-[probes]
-memory = []
-cuda = false
-transfer = false
+CONFIG = (
+    engines_only(tick_seconds=1.0)
+    + """
 [engines]
 endpoints = [{{ cmdline = "{marker}", kv_events = "{kv}", metrics_url = "{url}", engine = "vllm" }}]
 # every removal of the window remembered in every group: the five sliding-window groups share one
@@ -62,6 +49,7 @@ warmup_seconds = 0
 window_seconds = 20
 min_queried_tokens = 5000
 """
+)
 
 
 def events(records: list[list[Any]], kinds: dict[str, dict[str, list[Any]]]) -> list[dict[str, Any]]:
@@ -91,51 +79,20 @@ def events(records: list[list[Any]], kinds: dict[str, dict[str, list[Any]]]) -> 
 
 @pytest.fixture(scope="module")
 def run() -> dict[str, Any]:
-    with gzip.open(FIXTURE, "rt") as f:
-        data: dict[str, Any] = json.load(f)
-    return data
+    return load_run(FIXTURE)
 
 
-@pytest.fixture
-def stand_in() -> Iterator[subprocess.Popen[bytes]]:
-    with stand_in_process("vllm-groups-replay") as p:
-        yield p
-
-
-def test_real_hybrid_vllm_replayed(run: dict[str, Any], stand_in: Any, tmp_path: Path) -> None:
-    kv_port = free_port()
-    pages = Pages(run["pages"])
-    srv = serve(pages)
-    pub = WirePublisher(f"tcp://127.0.0.1:{kv_port}", layout=we.Layout.V0_26, topic="kv")
-    config = CONFIG.format(
-        marker=stand_in.marker, kv=f"tcp://127.0.0.1:{kv_port}", url=f"http://127.0.0.1:{srv.server_port}/metrics"
-    )
-    pid = str(stand_in.pid)
+def test_real_hybrid_vllm_replayed(run: dict[str, Any], tmp_path: Path) -> None:
     totals = run["totals"]
-    try:
-        with daemon(tmp_path, config) as d:
-            wait_until(lambda: d.value("kvwatch_kv_event_stream_connected", pid=pid) == 1, 30, "stream connected")
-            assert pub.wait_subscribed(), "kvwatch's subscription did not reach the publisher"
-            t0 = time.monotonic()
-            wall0 = time.time()
-            pages.t0 = t0
-            for at, _seq, ts, _rank, records in run["batches"]:  # one data-parallel rank
-                delay = t0 + at - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                pub.publish(events(records, run["kinds"]), ts=ts)
-            assert pub.flush()
-            wait_until(
-                lambda: d.value("kvwatch_kv_event_batches_total", pid=pid) == totals["batches"], 60, "every batch"
-            )
-            through_the_window(d, pid, t0 + run["window_seconds"])
-            metrics = d.metrics()
-            alerts = onsets(d)
-            log = d.log.read_text()
-    finally:
-        pub.close()
-        srv.shutdown()
-    check_counts(metrics, pid, totals["groups"])
+    with replaying(tmp_path, CONFIG, run, "vllm-groups-replay") as r:
+        t0, wall0 = r.start()
+        assert r.publish(run["batches"], lambda records: events(records, run["kinds"]), t0)
+        r.wait_every_batch(totals["batches"])
+        through_the_window(r.d, r.pid, t0 + run["window_seconds"])
+        metrics = r.d.metrics()
+        alerts = onsets(r.d)
+        log = r.d.log.read_text()
+    check_counts(metrics, r.pid, totals["groups"])
     check_alerts(alerts, log, run["marks"], wall0)
 
 

@@ -10,9 +10,13 @@ from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 
 from tests.support.daemon import DaemonProcess, free_port, wait_until
 
-CONFIG = """
+
+def engines_only(tick_seconds: float = 0.5) -> str:
+    """The head of a config for the engine taps alone: kernel probes and NVML off (no BPF, no
+    root), discovery every half second."""
+    return f"""
 [daemon]
-tick_seconds = 0.5
+tick_seconds = {tick_seconds}
 [discovery]
 interval_seconds = 0.5
 nvml = "off"
@@ -20,6 +24,12 @@ nvml = "off"
 memory = []
 cuda = false
 transfer = false
+"""
+
+
+CONFIG = (
+    engines_only()
+    + """
 [engines]
 scrape_interval_seconds = 1.0
 replay_timeout_seconds = 1.0
@@ -44,6 +54,7 @@ window_seconds = 4
 confirm_windows = 2
 clear_windows = 2
 """
+)
 HOT = "traffic 20 250 8 0"  # 20 requests/s over 250 prefixes of 8 blocks: 2000 hot blocks, reused
 IDLE = "traffic 0 1 1 0"
 
