@@ -184,6 +184,22 @@ class EngineEndpoint(_Section):
         return self
 
 
+class TenantRule(_Section):
+    """A tenant's name for requests with a cache salt or a LoRA adapter (exactly one of the three
+    keys). ``salt_sha256`` (hex of the salt's SHA-256) names a salt without writing it here."""
+
+    name: Annotated[str, Field(min_length=1, max_length=48, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    salt: str | None = None
+    salt_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    lora: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> TenantRule:
+        if sum(v is not None for v in (self.salt, self.salt_sha256, self.lora)) != 1:
+            raise ValueError("give exactly one of salt, salt_sha256 or lora")
+        return self
+
+
 class EnginesConfig(_Section):
     """Engine taps: vLLM's KV event stream and engines' own /metrics."""
 
@@ -197,7 +213,7 @@ class EnginesConfig(_Section):
     thrash_seconds: PositiveFloat = 10.0
     max_tracked_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
     # Removed block hashes remembered per stream and medium to see them stored again
-    # (regretted evictions); about 21 bytes each, the oldest forgotten first (counted). 0: off.
+    # (regretted evictions); about 23 bytes each, the oldest forgotten first (counted). 0: off.
     regret_memory_blocks: Annotated[int, Field(ge=0)] = 524_288
     # Bytes of one KV block, to price the loss ledger; 0: learnt from the engine's offload
     # counter (bytes copied to its CPU tier over CPU blocks announced), else blocks only.
@@ -205,6 +221,21 @@ class EnginesConfig(_Section):
     # How long a gone process's loss ledger stays on /metrics (its last losses: an OOM kill).
     loss_linger_seconds: NonNegFloat = 300.0
     endpoints: list[EngineEndpoint] = []
+    # Tenants (cache salts, LoRA adapters) named by hand; an unnamed salt is exported as a keyed
+    # hash ("salt-" + 8 hex), the key kept in tenant_key_file so that names survive restarts.
+    tenants: list[TenantRule] = []
+    tenant_top_k: Annotated[int, Field(ge=1, le=256)] = 8  # per engine; the rest count as "other"
+    tenant_key_file: Path = Path("/var/lib/kvwatch/tenant.key")
+
+    @model_validator(mode="after")
+    def _tenants_unique(self) -> EnginesConfig:
+        seen: set[tuple[str, str]] = set()
+        for i, t in enumerate(self.tenants):
+            key = next((k, str(v)) for k in ("salt", "salt_sha256", "lora") if (v := getattr(t, k)) is not None)
+            if key in seen:
+                raise ValueError(f"tenants[{i}]: a second rule for the same {key[0]}")
+            seen.add(key)
+        return self
 
 
 class DetectorCommon(_Section):

@@ -25,21 +25,33 @@ its default), and a generated block is stored alone, after its parent. A block s
 after a parent is marked (its stored and removed times kept negative, so that the mark
 outlives a removal and a store again) and not judged; so is a prompt's single new block after
 a cached prefix, which the stream cannot tell from a generated one.
+
+Per tenant (``tenants.py``): a store names the tenant of its blocks, kept as their tag in both
+memories; the stores, removals, young removals, regrets, drops and clears of tagged blocks are
+counted by tag, and a tag's resident blocks are its live entries. Untagged blocks are the
+``default`` tenant's (the medium's totals less the tagged ones); the removal of a block whose
+store the stream never saw is ``unknown``'s.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from math import copysign
+from typing import Any
 
 from kvwatch.daemon.engines.hashmem import HashMemory, fingerprint
+from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN
 from kvwatch.daemon.engines.views import REGRET_BUCKETS, MediumTotals
 from kvwatch.daemon.engines.wire import Hash
 
 OFFLOAD_SETTLE_SECONDS = 5.0  # engine time a GPU removal waits for its offload's announcement
 MAX_PENDING = 1 << 16  # removals waiting; past it the oldest are judged at once
+# per-tenant counters, by tag: the MediumTotals fields a tenant has
+T_FIELDS = ("stored", "removed", "removed_young", "regretted", "regret_tokens", "dropped", "cleared")
+T_STORED, T_REMOVED, T_YOUNG, T_REGRET, T_REGRET_TOKENS, T_DROPPED, T_CLEARED = range(len(T_FIELDS))
 
 
 class MediumBlocks:
@@ -50,6 +62,7 @@ class MediumBlocks:
         "_regret_le",
         "_removed_at",
         "_stored_at",
+        "_tenants",
         "announced",
         "announced_tokens",
         "cleared",
@@ -60,6 +73,7 @@ class MediumBlocks:
         "removed",
         "restored",
         "stored",
+        "unheld",
         "young",
     )
 
@@ -75,30 +89,46 @@ class MediumBlocks:
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
         self._removed_at = HashMemory(max_removed)  # capacity 0: no regret accounting
-        self._pending: deque[tuple[float, list[int]]] = deque()  # GPU removals not offloaded yet
+        self._pending: deque[tuple[float, list[int], dict[int, int]]] = deque()  # GPU removals not offloaded yet
         self._pending_n = 0
         # a hash held in more than one physical block (stored again while held): its copies beyond
         # the first, so that removing one copy leaves it held; at most max_stored // 16 such hashes
         self._copies: dict[int, int] = {}
+        self._tenants: dict[int, list[int]] = {}  # tag -> T_FIELDS counts
+        self.unheld = 0  # removals of blocks whose store is not remembered
 
-    def store(self, hashes: Sequence[Hash], ts: float, block_size: int, alone: bool = False) -> None:
+    def store(self, hashes: Sequence[Hash], ts: float, block_size: int, alone: bool = False, tenant: int = 0) -> None:
         """``alone``: stored by itself after a parent block (a generated block, as like as not).
         A block once stored alone keeps that mark when the engine stores it again (a preempted
-        request computing its generated blocks again in one go)."""
+        request computing its generated blocks again in one go). ``tenant``: the blocks' tag."""
         fps = [fingerprint(h) for h in hashes]
         self.stored += len(fps)
+        if tenant:
+            self._tenant(tenant)[T_STORED] += len(fps)
         marked = set(fps) if alone else set()
-        keys, gone = self._removed_at.take_keys(fps)
+        tags: list[int] | None = [] if self._removed_at.live_by_tag else None
+        keys, gone = self._removed_at.take_keys(fps, tags)
         for fp, t in zip(keys, gone, strict=True):
             self._regret(max(ts - abs(t), 0.0), block_size)
             if copysign(1.0, t) < 0:
                 marked.add(fp)
+        for tag in tags or ():  # a regret is the tenant's whose block was removed
+            if tag:
+                c = self._tenant(tag)
+                c[T_REGRET] += 1
+                c[T_REGRET_TOKENS] += block_size
         keys, held = self._stored_at.take_keys(fps)
         self.restored += len(keys)
         marked.update(fp for fp, t in zip(keys, held, strict=True) if copysign(1.0, t) < 0)
         if keys:
             self._copy(keys)
-        _put(self._stored_at, fps, ts, marked)
+        _put(self._stored_at, fps, ts, marked, tag=tenant)
+
+    def _tenant(self, tag: int) -> list[int]:
+        c = self._tenants.get(tag)
+        if c is None:
+            c = self._tenants[tag] = [0] * len(T_FIELDS)
+        return c
 
     def _copy(self, fps: Sequence[int]) -> None:
         copies, room = self._copies, max(self._stored_at.capacity // 16, 1)
@@ -112,28 +142,50 @@ class MediumBlocks:
     ) -> None:
         fps = [fingerprint(h) for h in hashes]
         self.removed += len(fps)
-        keys, times = self._stored_at.take_keys(fps)
+        tags: list[int] | None = [] if self._stored_at.live_by_tag else None
+        keys, times = self._stored_at.take_keys(fps, tags)
+        self.unheld += len(fps) - len(keys)
         self.young += sum(1 for t in times if abs(t) > young_before)
+        tag_of = self._removed_tenants(keys, times, tags, young_before) if tags else {}
         if self._copies:
-            keys, times, fps = self._uncopy(keys, times, fps)
+            keys, times, fps = self._uncopy(keys, times, fps, tag_of)
         alone = {k for k, t in zip(keys, times, strict=True) if copysign(1.0, t) < 0}
         # only blocks whose store the stream saw (older ones cannot be judged), and not alone
         judged = [k for k in keys if k not in alone] if lower else []
         if judged:
-            self._pending.append((ts, judged))
+            self._pending.append((ts, judged, tag_of))
             self._pending_n += len(judged)
             if self._pending_n > MAX_PENDING:
                 self.settle(float("inf"), lower)
         seen = set(keys)
         again = [f for f in fps if f not in seen]  # removed before without a store between
         if again:  # (one hash in two physical blocks): the mark of the first removal stays
-            rk, rt = self._removed_at.take_keys(again)
+            rtags: list[int] | None = [] if self._removed_at.live_by_tag else None
+            rk, rt = self._removed_at.take_keys(again, rtags)
             alone.update(k for k, t in zip(rk, rt, strict=True) if copysign(1.0, t) < 0)
-        _put(self._removed_at, fps, ts, alone)
+            if rtags:
+                tag_of.update((k, g) for k, g in zip(rk, rtags, strict=True) if g)
+        _put(self._removed_at, fps, ts, alone, tag_of=tag_of)
 
-    def _uncopy(self, keys: list[int], times: list[float], fps: list[int]) -> tuple[list[int], list[float], list[int]]:
-        """A removed copy of a hash held in several blocks: the hash stays held (with its time);
-        the rest of the removal goes on with the hashes whose last copy went."""
+    def _removed_tenants(
+        self, keys: Sequence[int], times: Sequence[float], tags: Sequence[int], young_before: float
+    ) -> dict[int, int]:
+        """Count the removal for each tagged block's tenant; the blocks' tags, by fingerprint."""
+        tag_of: dict[int, int] = {}
+        for k, t, tag in zip(keys, times, tags, strict=True):
+            if tag:
+                tag_of[k] = tag
+                c = self._tenant(tag)
+                c[T_REMOVED] += 1
+                if abs(t) > young_before:
+                    c[T_YOUNG] += 1
+        return tag_of
+
+    def _uncopy(
+        self, keys: list[int], times: list[float], fps: list[int], tag_of: dict[int, int]
+    ) -> tuple[list[int], list[float], list[int]]:
+        """A removed copy of a hash held in several blocks: the hash stays held (with its time and
+        tag); the rest of the removal goes on with the hashes whose last copy went."""
         copies = self._copies
         kept = [(k, t) for k, t in zip(keys, times, strict=True) if k in copies]
         if not kept:
@@ -142,7 +194,7 @@ class MediumBlocks:
             n = copies.pop(k) - 1
             if n:
                 copies[k] = n
-            self._stored_at.put_keys([k], t)
+            self._stored_at.put_keys([k], t, tag_of.get(k, 0))
         still = {k for k, _ in kept}
         rest = [(k, t) for k, t in zip(keys, times, strict=True) if k not in still]
         return [k for k, _ in rest], [t for _, t in rest], [f for f in fps if f not in still]
@@ -152,10 +204,20 @@ class MediumBlocks:
         or removed by now were dropped. The offload's announcement may follow the removal (a
         request preempted with its store in flight), hence the wait."""
         while self._pending and self._pending[0][0] <= ts - OFFLOAD_SETTLE_SECONDS:
-            _, fps = self._pending.popleft()
+            _, fps, tag_of = self._pending.popleft()
             self._pending_n -= len(fps)
-            known = max((m.knows(fps) for m in lower), default=0)
-            self.dropped += len(fps) - min(known, len(fps))
+            self.dropped += _dropped(fps, lower)
+            if tag_of:
+                self._tenant_drops(fps, tag_of, lower)
+
+    def _tenant_drops(self, fps: Sequence[int], tag_of: Mapping[int, int], lower: Sequence[MediumBlocks]) -> None:
+        by_tag: dict[int, list[int]] = {}
+        for fp in fps:
+            tag = tag_of.get(fp, 0)
+            if tag:
+                by_tag.setdefault(tag, []).append(fp)
+        for tag, group in by_tag.items():
+            self._tenant(tag)[T_DROPPED] += _dropped(group, lower)
 
     def resize(self, max_stored: int, max_removed: int) -> None:
         self._stored_at.resize(max_stored)
@@ -163,6 +225,11 @@ class MediumBlocks:
 
     def holds(self, h: Hash) -> bool:
         return self._stored_at.count([fingerprint(h)]) > 0
+
+    def peek_tag(self, fp: int) -> int | None:
+        """The tag of a block held, or else removed and remembered; None when neither."""
+        tag = self._stored_at.peek_tag(fp)
+        return tag if tag is not None else self._removed_at.peek_tag(fp)
 
     def announce(self, n: int, block_size: int) -> None:
         self.announced += n
@@ -176,6 +243,8 @@ class MediumBlocks:
     def drop_all(self) -> None:
         """AllBlocksCleared: what is resident is dropped on purpose, and counted."""
         self.cleared += len(self._stored_at) + sum(self._copies.values())
+        for tag, n in self._stored_at.live_by_tag.items():
+            self._tenant(tag)[T_CLEARED] += n
         self.clear()
 
     def clear(self) -> None:
@@ -190,6 +259,24 @@ class MediumBlocks:
         self.regret_tokens += block_size
         self.regret_seconds += seconds
         self._regret_le[bisect_left(REGRET_BUCKETS, seconds)] += 1
+
+    def tenant_totals(self) -> dict[int, MediumTotals]:
+        """Per tag: its blocks' counts; DEFAULT's are the medium's less every tag's (and less the
+        removals of blocks not remembered, UNKNOWN's)."""
+        live = self._stored_at.live_by_tag
+        out: dict[int, MediumTotals] = {}
+        for tag in sorted(self._tenants.keys() | live.keys()):
+            c = self._tenants.get(tag) or [0] * len(T_FIELDS)
+            counts: dict[str, Any] = dict(zip(T_FIELDS, c, strict=True))
+            out[tag] = MediumTotals(**counts, resident=live.get(tag, 0))
+        unknown = out.get(UNKNOWN, MediumTotals())
+        out[UNKNOWN] = replace(unknown, removed=unknown.removed + self.unheld)
+        total = self.totals()
+        rest: dict[str, Any] = {
+            f: getattr(total, f) - sum(getattr(m, f) for m in out.values()) for f in (*T_FIELDS, "resident")
+        }
+        out[DEFAULT] = MediumTotals(**rest)
+        return out
 
     @property
     def remembered(self) -> int:
@@ -216,10 +303,31 @@ class MediumBlocks:
         )
 
 
-def _put(memory: HashMemory, fps: Sequence[int], ts: float, marked: set[int]) -> None:
-    """Each fingerprint with its time, kept negative for those marked (stored alone once)."""
-    if not marked:
-        memory.put_keys(fps, ts)
+def _dropped(fps: Sequence[int], lower: Sequence[MediumBlocks]) -> int:
+    known = max((m.knows(fps) for m in lower), default=0)
+    return len(fps) - min(known, len(fps))
+
+
+def _put(
+    memory: HashMemory,
+    fps: Sequence[int],
+    ts: float,
+    marked: set[int],
+    *,
+    tag: int = 0,
+    tag_of: Mapping[int, int] | None = None,
+) -> None:
+    """Each fingerprint with its time, kept negative for those marked (stored alone once), and
+    its tag: ``tag`` for all, or each one's in ``tag_of`` (0 where it has none)."""
+    if tag_of:
+        by_tag: dict[int, list[int]] = {}
+        for f in fps:
+            by_tag.setdefault(tag_of.get(f, 0), []).append(f)
+        for t, group in by_tag.items():
+            _put(memory, group, ts, marked, tag=t)
         return
-    memory.put_keys([f for f in fps if f not in marked], ts)
-    memory.put_keys([f for f in fps if f in marked], -ts)
+    if not marked:
+        memory.put_keys(fps, ts, tag)
+        return
+    memory.put_keys([f for f in fps if f not in marked], ts, tag)
+    memory.put_keys([f for f in fps if f in marked], -ts, tag)

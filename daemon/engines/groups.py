@@ -10,11 +10,13 @@ The medium's *logical* counts follow one group, its reference: the lowest-index 
 that holds a request's whole prefix (``FULL_KINDS``; one whose kind the engine has not said yet
 counts as one), else the lowest-index group (a model with sliding-window attention only). A
 single-group engine's logical counts are its only group's, as they always were. When a lower
-full-kind group appears later, the logical counts follow it from then on and stay monotonic.
+full-kind group appears later, the logical counts follow it from then on and stay monotonic;
+so do each tenant's (``tenants.py``), which are the reference group's too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
@@ -31,7 +33,19 @@ def group_key(idx: int | None) -> int:
 
 
 class MediumGroups:
-    __slots__ = ("_offset", "_ref", "_ref_at", "bounds", "groups", "kinds", "like", "locality", "windows")
+    __slots__ = (
+        "_offset",
+        "_ref",
+        "_ref_at",
+        "_t_offset",
+        "_t_ref_at",
+        "bounds",
+        "groups",
+        "kinds",
+        "like",
+        "locality",
+        "windows",
+    )
 
     def __init__(self, bounds: tuple[int, int], like: MediumGroups | None = None) -> None:
         self.bounds = bounds  # store times, removals remembered (``_rebalance``)
@@ -45,6 +59,8 @@ class MediumGroups:
         self._ref: int | None = None
         self._offset = MediumTotals()  # logical counts up to the reference's last change
         self._ref_at = MediumTotals()  # the reference's counts at that change
+        self._t_offset: dict[int, MediumTotals] = {}  # the same, per tenant tag
+        self._t_ref_at: dict[int, MediumTotals] = {}
 
     def group(self, idx: int | None) -> MediumBlocks:
         g = self.groups.get(0 if idx is None else idx)  # the per-event path: a known group
@@ -105,8 +121,10 @@ class MediumGroups:
             return
         if self._ref is not None:
             self._offset = self.logical()
+            self._t_offset = self.logical_tenants()
         self._ref = ref
         self._ref_at = self.groups[ref].totals()
+        self._t_ref_at = self.groups[ref].tenant_totals()
         self._rebalance()
 
     @property
@@ -119,10 +137,31 @@ class MediumGroups:
         now = self.groups[self._ref].totals()
         return replace(self._offset + (now - self._ref_at), resident=now.resident)
 
-    def totals(self, medium: str) -> list[GroupTotals]:
+    def logical_tenants(self) -> dict[int, MediumTotals]:
+        """Per tenant tag, the reference group's counts (``logical``'s, per tenant)."""
+        if self._ref is None:
+            return {}
+        now = self.groups[self._ref].tenant_totals()
+        out: dict[int, MediumTotals] = {}
+        for tag in sorted(now.keys() | self._t_offset.keys()):
+            n = now.get(tag, MediumTotals())
+            since = n - self._t_ref_at.get(tag, MediumTotals())
+            out[tag] = replace(self._t_offset.get(tag, MediumTotals()) + since, resident=n.resident)
+        return out
+
+    def totals(self, medium: str, tenants: Sequence[str] | None = None) -> list[GroupTotals]:
+        """Every group's; with the stream's tenant names (by tag), each group's per tenant too."""
         ref = self.reference
         return [
-            GroupTotals(medium, k, self.kind(k), self._window(k), k == ref, g.totals())
+            GroupTotals(
+                medium,
+                k,
+                self.kind(k),
+                self._window(k),
+                k == ref,
+                g.totals(),
+                {tenants[t]: m for t, m in g.tenant_totals().items()} if tenants else {},
+            )
             for k, g in sorted(self.groups.items())
         ]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 from kvwatch.daemon.engines.stream_counts import StreamCounts
+from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import WireError, parse_frames, parse_replay, replay_request
 from zmq.utils.monitor import recv_monitor_message
@@ -52,6 +53,8 @@ class _Stream:
         now: float,
         bounds: tuple[int, int],
         thrash_seconds: float,
+        *,
+        namer: TenantNamer | None = None,
     ) -> None:
         self.spec = spec
         self.sub = ctx.socket(zmq.SUB)
@@ -63,7 +66,7 @@ class _Stream:
         self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sub.connect(spec.endpoint)
         self.dealer: zmq.Socket[bytes] | None = None
-        self.counts = StreamCounts(bounds, thrash_seconds)
+        self.counts = StreamCounts(bounds, thrash_seconds, namer)
         self.connected = False
         self.expected: int | None = None
         self.gaps = self.missed = self.replayed = self.lost = self.restarts = self.replay_requests = 0
@@ -105,8 +108,10 @@ class KVEventHub:
         replay_timeout_seconds: float = 2.0,
         max_replay_batches: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        namer: TenantNamer | None = None,
     ) -> None:
         self.thrash_seconds = thrash_seconds
+        self.namer = namer
         self.bounds = (max_tracked_blocks, regret_memory_blocks)
         self.replay_timeout = replay_timeout_seconds
         self.max_replay = max_replay_batches
@@ -205,7 +210,7 @@ class KVEventHub:
                 st.close()
             for spec in wanted - self._streams.keys():
                 try:
-                    st = _Stream(spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds)
+                    st = _Stream(spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds, namer=self.namer)
                 except zmq.ZMQError as err:
                     self._fail("connect", err)
                     continue

@@ -13,15 +13,23 @@ changing nothing. Its blocks are the request's prefix from the first one on (a s
 group's include blocks it no longer holds), and a group can only have served the hit if it holds
 the prefix's last block: a real first store (no hit) of a block already held would need a
 request that missed what the group holds.
+
+A store's tenant (``tenants.py``): a request's first block names it (its salt, its adapter); a
+block after a parent is its parent's tenant, looked up where the parent is held (the medium's
+reference group); a tier's copy of a GPU block is that block's tenant. Until a stream names a
+tenant, every block is the default tenant's and nothing is looked up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MediumGroups, group_key
-from kvwatch.daemon.engines.views import StreamSpec, StreamStats
+from kvwatch.daemon.engines.hashmem import fingerprint
+from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN, TenantBook, TenantNamer
+from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
     CLEARED,
     NIL,
@@ -41,10 +49,11 @@ MAX_MEDIA = 8
 
 
 class StreamCounts:
-    def __init__(self, bounds: tuple[int, int], thrash_seconds: float) -> None:
+    def __init__(self, bounds: tuple[int, int], thrash_seconds: float, namer: TenantNamer | None = None) -> None:
         self.bounds = bounds  # per medium and group: store times, removals remembered
         self.thrash_seconds = thrash_seconds
         self.decoder = Decoder()
+        self.book = TenantBook(namer or TenantNamer((), b""))
         self.media: dict[str, MediumGroups] = {}
         self.extras: dict[str, int] = {}  # blocks stored with extra keys, by key: lora, cache_salt, ...
         self.batches = self.events = self.cleared = 0
@@ -63,12 +72,15 @@ class StreamCounts:
             m.clear()
 
     def stats(self, spec: StreamSpec, **stream: object) -> StreamStats:
+        names = self.book.names if self.book.active else None
         return StreamStats(
             spec=spec,
             batches=self.batches,
             events=self.events,
             media={k: m.logical() for k, m in self.media.items()},
-            groups=tuple(g for k, m in self.media.items() for g in m.totals(k)),
+            groups=tuple(g for k, m in self.media.items() for g in m.totals(k, names)),
+            tenants=self.tenants(),
+            tenants_overflow=self.book.overflow,
             localities={k: m.locality for k, m in self.media.items() if m.locality},
             cleared=self.cleared,
             decode_errors=dict(self.errors),
@@ -77,6 +89,13 @@ class StreamCounts:
             extras=dict(self.extras),
             **stream,  # type: ignore[arg-type]
         )
+
+    def tenants(self) -> dict[str, dict[str, MediumTotals]]:
+        """Per medium and tenant name, the logical counts; none until the stream names a tenant."""
+        if not self.book.active:
+            return {}
+        names = self.book.names
+        return {k: {names[t]: m for t, m in mg.logical_tenants().items()} for k, mg in self.media.items()}
 
     def ingest(self, payload: bytes) -> None:
         try:
@@ -151,9 +170,33 @@ class StreamCounts:
         if nil and hashes and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and blocks.holds(hashes[-1]):
             blocks.announce(len(hashes), ev.block_size)  # a prefix-cache hit announced again, not a store
             return
-        blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil)
+        tag = DEFAULT
+        if self.book.active or ev.lora_name is not None or ev.extra_keys:
+            tag = self._tenant_of(ev, mg, nil)
+        blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil, tag)
         if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):
             self._extras(ev)
+
+    def _tenant_of(self, ev: StoredEvent, mg: MediumGroups, nil: bool) -> int:
+        lora = ev.lora_name
+        gpu = (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM
+        if gpu and nil:  # a request's first block
+            salt = extra_keys(ev.extra_keys[0], lora).salt if ev.extra_keys else None
+            return self.book.tag(salt, lora) if salt is not None or lora is not None else DEFAULT
+        if not self.book.active and lora is None:
+            return DEFAULT
+        tag = None
+        if not gpu:  # a tier's copy of a GPU block: that block's tenant
+            pool = self.media.get(DEFAULT_MEDIUM)
+            if pool is not None and ev.block_hashes:
+                tag = pool.group(pool.reference).peek_tag(fingerprint(ev.block_hashes[0]))
+        if tag is None and not nil:
+            parent = msgspec.msgpack.decode(ev.parent_block_hash)
+            if isinstance(parent, int | bytes):
+                tag = mg.group(mg.reference).peek_tag(fingerprint(parent))
+        if tag is not None:
+            return tag
+        return self.book.tag(None, lora) if lora is not None else UNKNOWN
 
     def _extras(self, ev: StoredEvent) -> None:
         """Blocks stored with a LoRA adapter, a cache salt (a request's first block), multimodal

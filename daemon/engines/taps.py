@@ -20,6 +20,7 @@ from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
+from kvwatch.daemon.engines.tenants import TenantNamer, load_key
 from kvwatch.daemon.engines.views import (
     TIER_COUNTERS,
     EnginePlan,
@@ -144,12 +145,16 @@ class EngineTaps:
         self.errors = errors
         self.clock = clock
         self.reach = Reach(procfs)
+        key, problem = load_key(config.tenant_key_file)
+        if problem:
+            errors.record("tenant_key", f"tenant names will change at the next restart: {problem}", level="warning")
         self.hub = hub or KVEventHub(
             thrash_seconds=config.thrash_seconds,
             max_tracked_blocks=config.max_tracked_blocks,
             regret_memory_blocks=config.regret_memory_blocks,
             replay_timeout_seconds=config.replay_timeout_seconds,
             clock=clock,
+            namer=TenantNamer(config.tenants, key),
         )
         self.scraper = scraper or EngineScraper(
             interval=config.scrape_interval_seconds,

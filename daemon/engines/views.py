@@ -77,6 +77,7 @@ class GroupTotals:
     sliding_window: int | None  # tokens, for the window-bounded kinds
     reference: bool  # the group the medium's logical counts follow
     totals: MediumTotals
+    tenants: Mapping[str, MediumTotals] = field(default_factory=dict)  # by tenant name, where the stream has tenants
 
     @property
     def full(self) -> bool:
@@ -117,6 +118,9 @@ class StreamStats:
     localities: Mapping[str, str] = field(default_factory=dict)  # medium -> LOCAL / REMOTE, where the engine says
     # blocks stored with extra keys in their hash: lora, cache_salt, multimodal, prompt_embeds
     extras: Mapping[str, int] = field(default_factory=dict)
+    # logical, per medium and tenant (``tenants.py``), once the stream has named one
+    tenants: Mapping[str, Mapping[str, MediumTotals]] = field(default_factory=dict)
+    tenants_overflow: int = 0  # distinct tenants past the stream's cap, counted as other
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +243,17 @@ class EngineView:
                 had = out.get((g.medium, g.group))
                 out[(g.medium, g.group)] = g if had is None else replace(had, totals=had.totals + g.totals)
         return [out[k] for k in sorted(out)]
+
+    @property
+    def tenants(self) -> dict[str, dict[str, MediumTotals]]:
+        """Per medium and tenant, the logical blocks' totals summed over data-parallel ranks."""
+        out: dict[str, dict[str, MediumTotals]] = {}
+        for s in self.streams:
+            for medium, by in s.tenants.items():
+                into = out.setdefault(medium, {})
+                for name, m in by.items():
+                    into[name] = into.get(name, MediumTotals()) + m
+        return out
 
     @property
     def extras(self) -> dict[str, int]:

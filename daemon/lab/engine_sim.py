@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvwatch.daemon.lab.engine_sim_http import Server
-from kvwatch.daemon.lab.engine_sim_pool import BLOCK, BlockPool, CpuTier, PoolStats, Scheduler, SimRequest
+from kvwatch.daemon.lab.engine_sim_pool import BLOCK, BlockPool, CpuTier, PoolStats, Scheduler, SimRequest, Tenancy
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.daemon.lab.wire_encode import Layout
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -181,9 +181,9 @@ class SimulatedVllm:
         self.metrics.sync(self.pool.stats, self.pool.usage, len(s.running), len(s.waiting))
 
     # --- requests over HTTP -----------------------------------------------------------------
-    def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any] | None:
+    def complete(self, prompt: list[int], max_tokens: int, keys: Tenancy = (None, None)) -> dict[str, Any] | None:
         with self._lock:
-            req = self.scheduler.new_request(prompt, max_tokens)
+            req = self.scheduler.new_request(prompt, max_tokens, keys)
             done = self._waiters[req.rid] = threading.Event()
             self.scheduler.waiting.append(req)
             self._work.notify()
@@ -245,14 +245,20 @@ class SimulatedVllm:
         self.metrics.set_sleep(level)
 
     # --- scripted steps (tests, demo, doctor) ------------------------------------------------------
-    def step(self, prefixes: list[int], blocks: int) -> None:
+    def step(self, prefixes: list[int], blocks: int, keys: Tenancy = (None, None)) -> None:
         """Requests of ``blocks`` full blocks (plus the token vLLM always computes), each named by
-        its prefix: the same prefix is the same tokens, hence the same block hashes."""
+        its prefix: the same prefix is the same tokens, hence the same block hashes (within one
+        tenant: ``keys``, the requests' cache salt and LoRA adapter)."""
+        self.steps([(prefixes, blocks, keys)])
+
+    def steps(self, parts: list[tuple[list[int], int, Tenancy]]) -> None:
+        """Several tenants' requests in one engine step (one batch)."""
         with self._lock:
             events: list[dict[str, Any]] = list(self.scheduler.queued)
             self.scheduler.queued = []
-            for p in prefixes:
-                events += self.scheduler.run_now(_tokens(p, blocks))
+            for prefixes, blocks, keys in parts:
+                for p in prefixes:
+                    events += self.scheduler.run_now(_tokens(p, blocks), keys)
             self.emit(events)
 
     def set_active(self, blocks: int) -> None:

@@ -26,7 +26,11 @@ class Traffic:
     unique: bool = False
     decode: float = 0.0  # tokens/s the scripted running requests generate
     preempting: float = 0.0  # requests/s preempted
+    keys: tuple[str | None, str | None] = (None, None)  # its requests' cache salt and LoRA adapter
+    # other tenants' traffic beside this one, by (salt, adapter)
+    tenants: dict[tuple[str | None, str | None], Traffic] = field(default_factory=dict)
     _n: int = 0
+    _owed: float = 0.0  # requests owed to the next step (a tenant's own)
     # Held by the traffic loop for each step and by the command loop for each command, so that
     # a command answered "ok" is not followed by a step of the traffic it replaced.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -52,7 +56,12 @@ def running(sim: SimulatedVllm, traffic: Traffic, *, hz: float = 20.0) -> Iterat
                     carry[i] += rate / hz
                 k, tokens, preempted = (int(c) for c in carry)
                 carry = [c - int(c) for c in carry]
-                sim.step(traffic.prefixes(k), traffic.blocks)
+                parts = [(traffic.prefixes(k), traffic.blocks, traffic.keys)]
+                for t in traffic.tenants.values():
+                    t._owed += t.rate / hz
+                    parts.append((t.prefixes(int(t._owed)), t.blocks, t.keys))
+                    t._owed -= int(t._owed)
+                sim.steps(parts)
                 if tokens:
                     sim.generate(tokens)
                 if preempted:
@@ -70,6 +79,8 @@ def running(sim: SimulatedVllm, traffic: Traffic, *, hz: float = 20.0) -> Iterat
 # --- a stand-in for `vllm serve`, driven line by line on stdin -----------------------------------
 USAGE = """commands (one per line; each answered with "ok <command>"):
   traffic RATE HOT BLOCKS UNIQUE   requests/s from HOT prefixes of BLOCKS blocks (UNIQUE 1: new prompts)
+  tenant SALT RATE HOT BLOCKS UNIQUE    a tenant's own traffic beside it, its requests salted SALT
+  adapter NAME RATE HOT BLOCKS UNIQUE   the same for requests to LoRA adapter NAME (RATE 0: stop)
   active N      running requests hold N blocks      evict N [1]  drop N cached blocks (policy bug; 1: and reset)
   reset         prefix-cache reset                   preempt N
   decode TOKENS_PER_S   running requests generate     preempting PER_S   requests preempted per second
@@ -79,15 +90,17 @@ USAGE = """commands (one per line; each answered with "ok <command>"):
   quit"""
 
 
-def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[float]], object]]:
+def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[Any]], object]]:
     ballast: list[bytes] = []
 
-    def set_traffic(n: list[float]) -> None:
+    def set_traffic(n: list[Any]) -> None:
         traffic.rate, traffic.hot, traffic.blocks, traffic.unique = n[0], int(n[1]), int(n[2]), bool(n[3])
 
     pub = sim.publisher
     return {
         "traffic": set_traffic,
+        "tenant": lambda n: _tenant(traffic, n),
+        "adapter": lambda n: _tenant(traffic, n, adapter=True),
         "active": lambda n: sim.set_active(int(n[0])),
         "evict": lambda n: sim.evict(int(n[0]), reset=len(n) > 1 and bool(n[1])),
         "reset": lambda n: sim.reset(),
@@ -102,6 +115,16 @@ def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[
         "forget": lambda n: pub.forget(int(n[0])),
         "garbage": lambda n: pub.publish_raw(b"\xc1 not msgpack"),
     }
+
+
+def _tenant(traffic: Traffic, words: list[Any], *, adapter: bool = False) -> None:
+    """``words``: the tenant's name, then RATE HOT BLOCKS UNIQUE."""
+    name, n = str(words[0]), [float(w) for w in words[1:]]
+    keys = (None, name) if adapter else (name, None)
+    if n[0] <= 0:
+        traffic.tenants.pop(keys, None)
+        return
+    traffic.tenants[keys] = Traffic(rate=n[0], hot=int(n[1]), blocks=int(n[2]), unique=bool(n[3]), keys=keys)
 
 
 def _args(argv: list[str] | None) -> Any:
@@ -167,7 +190,10 @@ def main(argv: list[str] | None = None) -> None:
             words = line.split()
             if not words:
                 continue
-            cmd, nums = words[0], [float(w) for w in words[1:] if _number(w)]
+            cmd = words[0]
+            nums: list[Any] = [float(w) for w in words[1:] if _number(w)]
+            if cmd in ("tenant", "adapter"):  # a name first
+                nums = [words[1], *nums] if len(words) > 1 else []
             if cmd == "quit":
                 break
             with traffic.lock:
@@ -175,9 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     sim.close()
 
 
-def _answer(
-    sim: SimulatedVllm, commands: dict[str, Callable[[list[float]], object]], cmd: str, nums: list[float]
-) -> str:
+def _answer(sim: SimulatedVllm, commands: dict[str, Callable[[list[Any]], object]], cmd: str, nums: list[Any]) -> str:
     import json  # noqa: PLC0415
 
     if cmd == "stats":

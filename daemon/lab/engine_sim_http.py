@@ -28,7 +28,9 @@ class Engine(Protocol):
 
     def metrics_text(self) -> bytes: ...
 
-    def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any] | None: ...
+    def complete(
+        self, prompt: list[int], max_tokens: int, keys: tuple[str | None, str | None] = (None, None)
+    ) -> dict[str, Any] | None: ...
 
     def reset_prefix_cache(self) -> bool: ...
 
@@ -46,6 +48,16 @@ def _prompt(body: dict[str, Any]) -> list[int]:
     if not isinstance(p, list) or not p or not all(isinstance(t, int) and t >= 0 for t in p):
         raise ValueError("prompt must be a non-empty list of token ids")
     return p
+
+
+def _tenancy(body: dict[str, Any], served: str) -> tuple[str | None, str | None]:
+    """vLLM's OpenAI server: ``cache_salt`` per request; a ``model`` other than the served one
+    names a LoRA adapter."""
+    salt, model = body.get("cache_salt"), body.get("model")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    lora = model if isinstance(model, str) and model and model != served else None
+    return salt, lora
 
 
 def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
@@ -94,10 +106,11 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw or b"{}")
                 prompt = _prompt(body)
                 max_tokens = int(body.get("max_tokens") or 16)
+                keys = _tenancy(body, engine.model)
             except (ValueError, TypeError) as err:
                 self._json(400, {"error": {"message": str(err), "type": "BadRequestError"}})
                 return
-            out = engine.complete(prompt, max_tokens)
+            out = engine.complete(prompt, max_tokens, keys)
             if out is None:
                 self._json(503, {"error": {"message": "request aborted", "type": "ServiceUnavailableError"}})
                 return

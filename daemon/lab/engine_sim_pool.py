@@ -16,6 +16,9 @@ What it reproduces, because kvwatch's counts and detectors depend on it:
   hash, no tokens, ``block_size`` 0); making room evicts least-recently-used blocks, one
   grouped ``BlockRemoved``. Lookups of what the GPU missed count as external queries and
   hits; the bytes copied each way are counted as vLLM's offload counters count them.
+* Tenants: a request's ``cache_salt`` goes into its first block's hash and extra keys, a LoRA
+  adapter's name into every block's (vLLM's ``generate_block_hash_extra_keys``); blocks of two
+  salts never share a hash.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvwatch.daemon.lab.wire_encode import cleared, removed, stored
 
 BLOCK = 16
 _MASK = (1 << 64) - 1
+Tenancy = tuple[str | None, str | None]  # a request's (cache_salt, LoRA adapter)
 
 
 @dataclass(slots=True)
@@ -48,13 +52,30 @@ class PoolStats:
     generated: int = 0  # tokens decoded
 
 
-def chain_hashes(tokens: list[int], seed: int, start: int = 0, parent: int | None = None) -> list[int]:
-    """vLLM-style block hashes: each full block's hash covers its tokens and its parent's hash."""
+def chain_hashes(
+    tokens: list[int], seed: int, start: int = 0, parent: int | None = None, keys: Tenancy = (None, None)
+) -> list[int]:
+    """vLLM-style block hashes: each full block's hash covers its tokens, its parent's hash and
+    its extra keys (``keys``: the request's salt, first block only, and LoRA adapter)."""
     out: list[int] = []
     h = seed if parent is None else parent
+    salt, lora = keys
     for i in range(start, len(tokens) // BLOCK):
-        h = hash((h, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]))) & _MASK
+        h = hash((h, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]), lora, salt if i == 0 else None)) & _MASK
         out.append(h)
+    return out
+
+
+def extra_keys(n: int, first: bool, keys: Tenancy) -> list[list[str] | None] | None:
+    """The ``extra_keys`` of ``n`` blocks as vLLM 0.26 announces them: per block, the adapter's
+    name, then the salt on a request's first block (``first``)."""
+    salt, lora = keys
+    if salt is None and lora is None:
+        return None
+    out: list[list[str] | None] = []
+    for i in range(n):
+        k = [x for x in (lora, salt if first and i == 0 else None) if x is not None]
+        out.append(k or None)
     return out
 
 
@@ -139,13 +160,21 @@ class BlockPool:
         self.held_blocks += n
         return True
 
-    def cache(self, hashes: list[int], tokens: list[int], parent: int | None, events: list[dict[str, Any]]) -> None:
+    def cache(
+        self,
+        hashes: list[int],
+        tokens: list[int],
+        parent: int | None,
+        events: list[dict[str, Any]],
+        keys: Tenancy = (None, None),
+    ) -> None:
         """Blocks this request computed and now holds are full: their hashes join the cache."""
         if not hashes:
             return
         for h in hashes:
             self.held[h] += 1
-        events.append(stored(hashes, tokens, parent=parent))
+        extra = extra_keys(len(hashes), parent is None, keys)
+        events.append(stored(hashes, tokens, parent=parent, lora_name=keys[1], extra_keys=extra))
         self.stats.stored += len(hashes)
 
     def release(self, hashes: list[int], total_blocks: int) -> None:
@@ -185,6 +214,7 @@ class SimRequest:
     cached_tokens: int = 0
     preempted: int = 0
     finished: bool = False
+    keys: Tenancy = (None, None)  # cache_salt, LoRA adapter
 
     @property
     def tokens(self) -> list[int]:
@@ -205,9 +235,9 @@ class Scheduler:
         self._offload: list[int] = []
         self._rid = 0
 
-    def new_request(self, prompt: list[int], max_tokens: int) -> SimRequest:
+    def new_request(self, prompt: list[int], max_tokens: int, keys: Tenancy = (None, None)) -> SimRequest:
         self._rid += 1
-        return SimRequest(list(prompt), max(1, max_tokens), self._rid)
+        return SimRequest(list(prompt), max(1, max_tokens), self._rid, keys=keys)
 
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -227,9 +257,9 @@ class Scheduler:
         events, self.queued = self.queued + gpu + cpu, []
         return events, done
 
-    def run_now(self, prompt: list[int]) -> list[dict[str, Any]]:
+    def run_now(self, prompt: list[int], keys: Tenancy = (None, None)) -> list[dict[str, Any]]:
         """The scripted engine: one request admitted and finished at once (prefill only)."""
-        req = self.new_request(prompt, 1)
+        req = self.new_request(prompt, 1, keys)
         events: list[dict[str, Any]] = []
         if self._start(req, events):
             self._finish(req)
@@ -240,7 +270,7 @@ class Scheduler:
     def _start(self, r: SimRequest, events: list[dict[str, Any]]) -> bool:
         st = self.pool.stats
         tokens = r.tokens
-        hashes = chain_hashes(tokens, self.seed)
+        hashes = chain_hashes(tokens, self.seed, keys=r.keys)
         cap = (len(tokens) - 1) // BLOCK
         hit = min(self.pool.lookup(hashes), cap)
         need = -(-len(tokens) // BLOCK) - hit
@@ -258,7 +288,8 @@ class Scheduler:
         st.load_bytes += ext * (self.cpu.block_bytes if self.cpu else 0)
         self.pool.take_hits(hashes[:hit])
         new = hashes[hit:]
-        self.pool.cache(new, tokens[hit * BLOCK : len(hashes) * BLOCK], hashes[hit - 1] if hit else None, events)
+        parent = hashes[hit - 1] if hit else None
+        self.pool.cache(new, tokens[hit * BLOCK : len(hashes) * BLOCK], parent, events, r.keys)
         prompt_blocks = len(r.prompt) // BLOCK
         self._offload += new[: max(0, prompt_blocks - hit)]  # only prompt blocks are offloaded
         r.hashes, r.blocks = hashes, need + hit
@@ -283,8 +314,9 @@ class Scheduler:
             self.pool.stats.generated += 1
             n = len(r.prompt) + r.generated
             if n % BLOCK == 0:  # a generated block filled up: cached and announced
-                h = chain_hashes(r.tokens, self.seed, start=n // BLOCK - 1, parent=r.hashes[-1] if r.hashes else None)
-                self.pool.cache(h, r.tokens[-BLOCK:], r.hashes[-1] if r.hashes else None, events)
+                parent = r.hashes[-1] if r.hashes else None
+                h = chain_hashes(r.tokens, self.seed, start=n // BLOCK - 1, parent=parent, keys=r.keys)
+                self.pool.cache(h, r.tokens[-BLOCK:], parent, events, r.keys)
                 r.hashes += h
             if r.generated >= r.max_tokens:
                 self.running.remove(r)

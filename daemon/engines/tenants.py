@@ -1,0 +1,166 @@
+"""Tenants of a shared KV pool, told from the KV event stream, and their names.
+
+vLLM hashes a request's ``cache_salt`` (the per-tenant prefix-cache isolation key its OpenAI
+server takes per request) into the request's first block, where the salt is the last string of
+the block's ``extra_keys``, and an adapter's name into every block of a LoRA request
+(``lora_name``). A block stored after a parent belongs to its parent's tenant: the salt is in
+the parent's hash, hence in every hash after it. So a block's tenant is read once, at its store,
+and kept with the block (``hashmem.py`` tags); its removal, regret or loss is charged to it.
+
+Names, first match: a ``[[engines.tenants]]`` rule for the salt (or its SHA-256), one for the
+adapter, then ``salt-`` and 8 hex of HMAC-SHA256(node key, salt), then ``lora:`` and the adapter's
+name. Requests with neither are ``default``; blocks whose tenant the stream cannot tell (a parent
+stored before kvwatch listened, or forgotten) are ``unknown``. A salt is a tenant's secret: it
+never leaves this module, only names do. The node key is generated once and kept on disk
+(``engines.tenant_key_file``), so that a salt keeps its name across restarts.
+
+Cardinality: a stream interns at most MAX_TENANTS names (the rest count as ``other``); an engine
+exports its first ``tenant_top_k`` tenants by activity under their own name, for as long as it
+runs (``TenantFold``), and the rest under ``other``, which only ever grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+from kvwatch.daemon.config import TenantRule
+
+DEFAULT, UNKNOWN, OTHER = 0, 1, 2
+RESERVED = ("default", "unknown", "other")
+MAX_TENANTS = 256  # names interned per stream
+MAX_LORA_CHARS = 40
+KEY_BYTES = 32
+
+
+def load_key(path: Path) -> tuple[bytes, str]:
+    """The node's naming key, created (0600) when missing. When it can be neither read nor
+    written, a key for this run only, and why (names then change at the next restart)."""
+    try:
+        key = path.read_bytes()
+        if len(key) == KEY_BYTES:
+            return key, ""
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        return os.urandom(KEY_BYTES), f"cannot read {path}: {err.strerror}"
+    key = os.urandom(KEY_BYTES)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".new")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        tmp.replace(path)
+    except OSError as err:
+        return key, f"cannot write {path}: {err.strerror}"
+    return key, ""
+
+
+def _sha256(salt: str) -> str:
+    return hashlib.sha256(salt.encode()).hexdigest()
+
+
+class TenantNamer:
+    def __init__(self, rules: Iterable[TenantRule], key: bytes) -> None:
+        self._key = key
+        self._salts: dict[str, str] = {}  # SHA-256 hex of a salt -> name
+        self._loras: dict[str, str] = {}
+        for r in rules:
+            if r.lora is not None:
+                self._loras[r.lora] = r.name
+            else:
+                self._salts[r.salt_sha256 or _sha256(r.salt or "")] = r.name
+
+    def name(self, salt: str | None, lora: str | None) -> str:
+        if salt is not None:
+            named = self._salts.get(_sha256(salt))
+            if named is not None:
+                return named
+        if lora is not None and lora in self._loras:
+            return self._loras[lora]
+        if salt is not None:
+            return "salt-" + hmac.new(self._key, salt.encode(), hashlib.sha256).hexdigest()[:8]
+        if lora is not None:
+            ok = lora.isprintable() and len(lora) <= MAX_LORA_CHARS
+            return "lora:" + (lora if ok else hashlib.sha256(lora.encode()).hexdigest()[:8])
+        return RESERVED[DEFAULT]
+
+
+class TenantBook:
+    """One stream's tenants: each name interned to a small tag (``RESERVED`` first)."""
+
+    def __init__(self, namer: TenantNamer) -> None:
+        self.namer = namer
+        self.names: list[str] = list(RESERVED)
+        self._tags = {n: i for i, n in enumerate(RESERVED)}
+        self._seen: dict[tuple[str | None, str | None], int] = {}
+        self.active = False  # a salt or an adapter seen: blocks are charged to tenants from now on
+        self.overflow = 0  # distinct tenants past MAX_TENANTS, counted as other
+
+    def tag(self, salt: str | None, lora: str | None) -> int:
+        key = (salt, lora)
+        t = self._seen.get(key)
+        if t is not None:
+            return t
+        self.active = True
+        name = self.namer.name(salt, lora)
+        t = self._tags.get(name)
+        if t is None:
+            if len(self.names) >= MAX_TENANTS:
+                self.overflow += 1
+                t = OTHER
+            else:
+                t = self._tags[name] = len(self.names)
+                self.names.append(name)
+        if len(self._seen) < 4 * MAX_TENANTS:
+            self._seen[key] = t
+        return t
+
+
+K = TypeVar("K")
+
+
+class TenantFold:
+    """One engine's tenants folded to at most ``top_k`` own labels plus the reserved ones.
+
+    A tenant keeps its label from its first fold while the engine runs, and a tenant folded into
+    ``other`` stays there: every series is monotonic, and the labels always sum to the engine's
+    totals. Free labels go to the most active tenants (``activity``) at the fold that first sees
+    them."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self.labels: set[str] = set()  # tenants with their own label
+        self.folded: set[str] = set()  # tenants counted under other (names only, bounded by the books)
+
+    def fold(
+        self,
+        counters: Mapping[str, Mapping[K, float]],
+        gauges: Mapping[str, Mapping[K, float]],
+        activity: Mapping[str, float],
+    ) -> dict[str, dict[K, float]]:
+        """``counters`` and ``gauges`` by tenant name; the same keyed by label."""
+        self._label(activity)
+        out: dict[str, dict[K, float]] = {}
+        for values in (counters, gauges):
+            for name, by in values.items():
+                own = name in RESERVED[:OTHER] or name in self.labels
+                if not own and name not in RESERVED:
+                    self.folded.add(name)
+                into = out.setdefault(name if own else RESERVED[OTHER], {})
+                for k, v in by.items():
+                    into[k] = into.get(k, 0.0) + v
+        return out
+
+    def _label(self, activity: Mapping[str, float]) -> None:
+        """Free labels to the most active tenants never folded (a tenant once counted under
+        other stays there: its series would start in the middle of its life)."""
+        free = self.top_k - len(self.labels)
+        if free > 0:
+            fresh = [n for n in activity if n not in self.labels and n not in RESERVED and n not in self.folded]
+            self.labels.update(sorted(fresh, key=lambda n: (-activity[n], n))[:free])
