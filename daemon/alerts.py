@@ -115,8 +115,10 @@ class AlertBook:
         return changed
 
     def drop_subject(self, subject_key: str, wall_now: float) -> None:
-        """A subject went away (process exit): its alerts clear, except those that outlive it."""
-        for key in [k for k in self.active if k[1] == subject_key]:
+        """A subject went away (process exit): its alerts clear (those of its parts too: a
+        tenant's, ``KEY/tenant:NAME``), except those that outlive it."""
+        part = subject_key + "/"
+        for key in [k for k in self.active if k[1] == subject_key or k[1].startswith(part)]:
             if key[0] in self.lasting:
                 continue
             ended = replace(self.active.pop(key), ended_at=wall_now)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal, TierReading
+from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal, TenantsView, TierReading
 from kvwatch.daemon.families.transfer import TransferProcessState
 from kvwatch.daemon.series import SeriesSet
 from kvwatch.daemon.snapshot import (
@@ -45,6 +45,7 @@ class ProcessParts:
     block_bytes: Callable[[str], tuple[int, str] | None]  # by process key: the ledger's block size
     losses: Mapping[str, Mapping[tuple[str, str], LossTotal]]  # by process key
     audit: Mapping[str, tuple[AuditRow, ...]]  # by process key
+    tenants: Callable[[str, EngineView | None], TenantsView | None]  # (key, engine view): the folded tenants
     costs: Callable[[str, int], tuple[FamilyCost, ...]]  # (key, pid)
     gpu_used: Mapping[int, int]
 
@@ -186,24 +187,27 @@ def transfer_view(st: TransferProcessState | None, s: SeriesSet) -> TransferView
 
 
 def process_views(tracked: Sequence[Tracked], parts: ProcessParts) -> tuple[ProcessView, ...]:
-    return tuple(
-        ProcessView(
-            key=t.key,
-            pid=t.pid,
-            labels=process_labels(t),
-            source=t.proc.source,
-            alive=t.exited_at is None,
-            memory=memory_counters(t.series),
-            rates=process_rates(t.series),
-            gpu_used_bytes=parts.gpu_used.get(t.pid),
-            cuda=parts.cuda(t.pid),
-            transfers=transfer_view(parts.transfers(t.pid), t.series),
-            engine=engine_view(parts.engines(t), t.series, parts.engine_window, parts.block_bytes(t.key)),
-            kv_losses=parts.losses.get(t.key, {}),
-            kv_audit=parts.audit.get(t.key, ()),
-            uprobe_costs=parts.costs(t.key, t.pid),
-        )
-        for t in tracked
+    return tuple(_process_view(t, parts) for t in tracked)
+
+
+def _process_view(t: Tracked, parts: ProcessParts) -> ProcessView:
+    engine = engine_view(parts.engines(t), t.series, parts.engine_window, parts.block_bytes(t.key))
+    return ProcessView(
+        key=t.key,
+        pid=t.pid,
+        labels=process_labels(t),
+        source=t.proc.source,
+        alive=t.exited_at is None,
+        memory=memory_counters(t.series),
+        rates=process_rates(t.series),
+        gpu_used_bytes=parts.gpu_used.get(t.pid),
+        cuda=parts.cuda(t.pid),
+        transfers=transfer_view(parts.transfers(t.pid), t.series),
+        engine=engine,
+        kv_losses=parts.losses.get(t.key, {}),
+        kv_audit=parts.audit.get(t.key, ()),
+        kv_tenants=parts.tenants(t.key, engine),
+        uprobe_costs=parts.costs(t.key, t.pid),
     )
 
 

@@ -112,6 +112,7 @@ XFER_BYTES = _declare("xfer_bytes", COUNTER, _XFER, ("publish",), "bytes moved b
 
 # --- the engine's KV event stream (engines.taps): logical counts per medium, "+ medium" ---------------------
 _TAPS = "engines.taps"
+_THRASH = ("detectors.tenant_thrash",)
 KV_STORED = _declare(
     "kv_stored_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "blocks stored (the reference group's)"
 )
@@ -142,9 +143,19 @@ KV_WINDOW_REGRETTED = _declare(
 )
 KV_RESIDENT = _declare("kv_resident_blocks:", GAUGE, _TAPS, ("engines.audit",), "blocks held now, every group's")
 KV_CLEARED = _declare(
-    "kv_cleared", COUNTER, _TAPS, ("detectors.eviction_burst", "detectors.prefix_cache"), "AllBlocksCleared events"
+    "kv_cleared",
+    COUNTER,
+    _TAPS,
+    ("detectors.eviction_burst", "detectors.prefix_cache", *_THRASH),
+    "AllBlocksCleared events",
 )
 KV_BATCHES_LOST = _declare("kv_batches_lost", COUNTER, _TAPS, ("engines.audit",), "batches missed and not replayed")
+# per tenant of the GPU pool (its logical blocks), "+ tenant name"
+KV_TENANT_STORED = _declare("kv_tenant_stored:", COUNTER, _TAPS, _THRASH, "a tenant's GPU blocks stored")
+KV_TENANT_REMOVED = _declare("kv_tenant_removed:", COUNTER, _TAPS, _THRASH, "a tenant's GPU blocks evicted")
+KV_TENANT_REGRETTED = _declare(
+    "kv_tenant_regretted:", COUNTER, _TAPS, _THRASH, "a tenant's GPU blocks stored again after eviction"
+)
 
 # --- the engine's /metrics as the taps read them (engines.taps; names of ``EngineSample.counters``) ----------
 _BURST = ("detectors.eviction_burst",)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal
+from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal, TenantsView
 from kvwatch.probes.records import ApiCounters, XferCounters
 
 
@@ -160,6 +160,7 @@ class ProcessView:
     engine: EngineView | None = None  # KV event streams and /metrics of this engine process
     kv_losses: Mapping[tuple[str, str], LossTotal] = field(default_factory=dict)  # (tier, cause): the ledger
     kv_audit: tuple[AuditRow, ...] = ()  # the KV metric-truth audit: engine counter vs kvwatch's evidence
+    kv_tenants: TenantsView | None = None  # per tenant of the engine's KV pool, where the stream names tenants
     uprobe_costs: tuple[FamilyCost, ...] = ()  # what kvwatch's uprobes cost this process, per family
 
 

@@ -9,7 +9,7 @@ from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium")
+ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium", "tenant", "aggressor")
 
 
 def active_family(s: Snapshot) -> Iterator[Metric]:

@@ -23,6 +23,7 @@ from kvwatch.exporters import (
     prom_losses,
     prom_memory,
     prom_selfcost,
+    prom_tenants,
     prom_transfers,
 )
 from prometheus_client.core import CollectorRegistry, Metric
@@ -62,6 +63,7 @@ class SnapshotCollector(Collector):
         yield from prom_transfers.transfer_families(s)
         yield from prom_engines.engine_families(s)
         yield from prom_losses.loss_families(s)
+        yield from prom_tenants.tenant_families(s)
         yield from prom_engine_tiers.tier_families(s)
         yield from prom_audit.audit_families(s)
         yield from prom_memory.tier_families(s)

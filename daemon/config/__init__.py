@@ -307,6 +307,15 @@ class PreemptionLivelockConfig(DetectorCommon):
     baseline_min_seconds: NonNegFloat = 30.0
 
 
+class TenantThrashConfig(DetectorCommon):
+    window_seconds: PositiveFloat = 10.0
+    factor: Annotated[float, Field(ge=1)] = 5.0  # the victim's regrets/s over its own baseline
+    floor_regretted_per_second: NonNegFloat = 5.0  # GPU blocks; below this no tenant is a victim
+    aggressor_store_share: Annotated[float, Field(gt=0, le=1)] = 0.5  # of the pool's stores in the window
+    min_stored_blocks: NonNegFloat = 50.0  # the pool's stores in the window, to judge at all
+    baseline_min_seconds: NonNegFloat = 30.0
+
+
 class MetricDivergenceConfig(_Section):
     """The KV metric-truth audit (engines/audit.py) and its alert."""
 
@@ -332,6 +341,7 @@ class DetectorsConfig(_Section):
     eviction_burst: EvictionBurstConfig = EvictionBurstConfig()
     prefix_cache_ineffective: PrefixCacheIneffectiveConfig = PrefixCacheIneffectiveConfig()
     preemption_livelock: PreemptionLivelockConfig = PreemptionLivelockConfig()
+    tenant_thrash: TenantThrashConfig = TenantThrashConfig()
     engine_metric_divergence: MetricDivergenceConfig = MetricDivergenceConfig()
     oom: OOMConfig = OOMConfig()
 

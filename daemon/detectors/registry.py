@@ -16,6 +16,7 @@ from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
 from kvwatch.daemon.detectors.probe_down import ProbeDown
 from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
+from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.detectors.view import NodeView
 
@@ -40,6 +41,7 @@ def build_detectors(config: DetectorsConfig, link_bytes_per_second: float) -> li
         EvictionBurst(config.eviction_burst),
         PrefixCacheIneffective(config.prefix_cache_ineffective),
         PreemptionLivelock(config.preemption_livelock),
+        TenantThrash(config.tenant_thrash),
         EngineMetricDivergence(config.engine_metric_divergence),
         OOMKilled(config.oom),
         ProbeDown(),

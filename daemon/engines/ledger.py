@@ -15,6 +15,9 @@ ledger"):
 * ``cleared``: blocks resident when the engine announced AllBlocksCleared (reset, sleep).
 * ``oom``: blocks resident in each medium when the kernel OOM-killed a process of the engine.
 
+Where the stream tells tenants apart (``tenants.py``), each GPU and CPU row is also kept per
+tenant: the blocks of each tenant's that the row lost, by the same rules.
+
 Bytes need a block's size. It comes from config (``engines.kv_block_bytes``) or is learnt
 from the engine: the bytes it says it copied to its CPU tier, against the CPU blocks the
 stream announced (``BlockBytes``). Until it is known, blocks are kept unpriced and priced
@@ -27,7 +30,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvwatch.daemon.engines.views import EngineSample, GroupTotals, LossTotal, StreamStats
+from kvwatch.daemon.engines.views import EngineSample, GroupTotals, LossTotal, MediumTotals, StreamStats
 
 GPU = "GPU"
 LOWER_TIER = "cpu"  # where a GPU block that was never offloaded should have gone
@@ -122,6 +125,7 @@ class EngineLedger:
     def __init__(self, configured_block_bytes: int = 0) -> None:
         self.block_bytes = BlockBytes(configured_block_bytes)
         self.rows: dict[tuple[str, str], _Row] = {}
+        self.tenant_rows: dict[tuple[str, str, str], _Row] = {}  # (tenant, tier, cause): a share of rows
         self._seen: dict[tuple[object, ...], float] = {}  # (source, part..., field) -> last value
 
     def _delta(self, key: tuple[object, ...], value: float) -> float:
@@ -129,15 +133,19 @@ class EngineLedger:
         self._seen[key] = value
         return max(value - last, 0.0) if last is not None else value
 
-    def add_blocks(self, tier: str, cause: str, blocks: int) -> None:
+    def add_blocks(self, tier: str, cause: str, blocks: int, tenant: str | None = None) -> None:
+        """``tenant``: the share of a row that is one tenant's (the row itself counted apart)."""
         if blocks <= 0:
             return
-        row = self.rows.setdefault((tier, cause), _Row())
+        row = self.rows.setdefault((tier, cause), _Row()) if tenant is None else self._tenant_row(tenant, tier, cause)
         row.blocks += blocks
         if self.block_bytes.value is None:
             row.unpriced += blocks
         else:
             row.bytes += blocks * self.block_bytes.value
+
+    def _tenant_row(self, tenant: str, tier: str, cause: str) -> _Row:
+        return self.tenant_rows.setdefault((tenant, tier, cause), _Row())
 
     def add_bytes(self, tier: str, cause: str, nbytes: float) -> None:
         if nbytes > 0:
@@ -154,9 +162,17 @@ class EngineLedger:
             for g in s.groups:
                 tier, m, key = tier_of(g.medium), g.totals, (s.spec, g.medium, g.group)
                 cause = "preempted" if preempting and g.medium == GPU else "evicted"
-                self.add_blocks(tier, cause, int(self._delta((*key, "removed"), m.removed)))
-                self.add_blocks(LOWER_TIER, "offload_dropped", int(self._delta((*key, "dropped"), m.dropped)))
-                self.add_blocks(tier, "cleared", int(self._delta((*key, "cleared"), m.cleared)))
+                self._removals(key, tier, cause, m)
+                for name, t in g.tenants.items():
+                    self._removals((*key, name), tier, cause, t, name)
+
+    def _removals(
+        self, key: tuple[object, ...], tier: str, cause: str, m: MediumTotals, tenant: str | None = None
+    ) -> None:
+        """What a group (or one tenant's share of it) lost since the last tick."""
+        self.add_blocks(tier, cause, int(self._delta((*key, "removed"), m.removed)), tenant)
+        self.add_blocks(LOWER_TIER, "offload_dropped", int(self._delta((*key, "dropped"), m.dropped)), tenant)
+        self.add_blocks(tier, "cleared", int(self._delta((*key, "cleared"), m.cleared)), tenant)
 
     def tier(self, tier_id: int, reclaim_bytes: float, policy_bytes: float) -> None:
         """A disk tier's page cache, dropped by reclaim or by the engine deleting files."""
@@ -167,22 +183,28 @@ class EngineLedger:
         """Every group's resident blocks (summed over the engine's streams by the caller or not)."""
         for g in groups:
             self.add_blocks(tier_of(g.medium), "oom", g.totals.resident)
+            for name, t in g.tenants.items():
+                self.add_blocks(tier_of(g.medium), "oom", t.resident, name)
 
     def _price(self) -> None:
         size = self.block_bytes.value
         if size is None:
             return
-        for row in self.rows.values():
+        for row in (*self.rows.values(), *self.tenant_rows.values()):
             if row.unpriced:
                 row.bytes += row.unpriced * size
                 row.unpriced = 0
 
     def totals(self) -> dict[tuple[str, str], LossTotal]:
+        return {k: self._total(r) for k, r in sorted(self.rows.items())}
+
+    def tenant_totals(self) -> dict[tuple[str, str, str], LossTotal]:
+        """By (tenant, tier, cause): the GPU and CPU rows' shares, where the stream has tenants."""
+        return {k: self._total(r) for k, r in sorted(self.tenant_rows.items())}
+
+    def _total(self, r: _Row) -> LossTotal:
         priced = self.block_bytes.value is not None
-        return {
-            k: LossTotal(blocks=r.blocks, bytes=r.bytes if priced or not r.unpriced else None)
-            for k, r in sorted(self.rows.items())
-        }
+        return LossTotal(blocks=r.blocks, bytes=r.bytes if priced or not r.unpriced else None)
 
 
 class LossLedger:
@@ -210,6 +232,10 @@ class LossLedger:
     def rows(self, key: str) -> dict[tuple[str, str], LossTotal]:
         led = self.engines.get(key)
         return led.totals() if led is not None else {}
+
+    def tenant_rows(self, key: str) -> dict[tuple[str, str, str], LossTotal]:
+        led = self.engines.get(key)
+        return led.tenant_totals() if led is not None else {}
 
     def block_bytes(self, key: str) -> tuple[int, str] | None:
         """The engine's block size and where it came from (config / offload / offload_ratio)."""

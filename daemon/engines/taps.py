@@ -75,6 +75,10 @@ def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dic
                 window_group.setdefault(g.medium, g)
         for medium, g in window_group.items():  # a hybrid model's first window-bounded group
             add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
+        for name, m in s.tenants.get("GPU", {}).items():  # the pool's tenants
+            add(f"{sn.KV_TENANT_STORED}{name}", m.stored)
+            add(f"{sn.KV_TENANT_REMOVED}{name}", m.removed)
+            add(f"{sn.KV_TENANT_REGRETTED}{name}", m.regretted)
     return values, gauges
 
 

@@ -96,6 +96,31 @@ class LossTotal:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantRow:
+    """One tenant's blocks in one medium of an engine (logical, summed over its streams)."""
+
+    tenant: str  # its label: a configured name, salt-XXXXXXXX, lora:NAME, default, unknown, other
+    medium: str
+    stored: float
+    removed: float
+    removed_young: float
+    regretted: float
+    regret_tokens: float
+    resident: float
+
+
+@dataclass(frozen=True, slots=True)
+class TenantsView:
+    """An engine's tenants, folded to its top-K labels (``tenant_view.py``)."""
+
+    rows: tuple[TenantRow, ...]
+    losses: Mapping[tuple[str, str, str], LossTotal]  # (tenant, tier, cause)
+    labelled: int  # tenants with their own label
+    folded: int  # tenants counted under other
+    overflow: int  # tenants past a stream's cap (counted under other too)
+
+
+@dataclass(frozen=True, slots=True)
 class StreamStats:
     spec: StreamSpec
     connected: bool

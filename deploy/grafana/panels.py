@@ -521,4 +521,66 @@ ROWS: list[tuple[str, list[Graph]]] = [
             ),
         ],
     ),
+    (
+        "Tenants: whose KV cache was evicted, and by whom",
+        [
+            Graph(
+                "Who fills the pool: blocks stored /s by tenant",
+                "short",
+                [(rate("kvwatch_kv_tenant_blocks_stored_total", "engine, medium, tenant"), "{{tenant}} {{medium}}")],
+            ),
+            Graph(
+                "Whose blocks are evicted /s (young: hot ones)",
+                "short",
+                [
+                    (rate("kvwatch_kv_tenant_blocks_removed_total", "engine, medium, tenant"), "{{tenant}} {{medium}}"),
+                    (
+                        rate("kvwatch_kv_tenant_blocks_removed_young_total", "engine, medium, tenant"),
+                        "young {{tenant}} {{medium}}",
+                    ),
+                ],
+            ),
+            Graph(
+                "Who recomputes: regretted evictions /s and tokens recomputed /s by tenant",
+                "short",
+                [
+                    (rate("kvwatch_kv_tenant_blocks_regretted_total", "engine, medium, tenant"), "{{tenant}} blocks"),
+                    (
+                        rate("kvwatch_kv_tenant_regret_recomputed_tokens_total", "engine, medium, tenant"),
+                        "{{tenant}} tokens",
+                    ),
+                ],
+            ),
+            Graph(
+                "Each tenant's share of the pool (blocks held)",
+                "short",
+                [(total("kvwatch_kv_tenant_blocks_resident", "engine, medium, tenant"), "{{tenant}} {{medium}}")],
+            ),
+            Graph(
+                "KV lost by tenant, tier and cause",
+                "Bps",
+                [
+                    (
+                        rate("kvwatch_kv_tenant_lost_bytes_total", "engine, tenant, tier, cause"),
+                        "{{tenant}} {{tier}} {{cause}}",
+                    ),
+                    (
+                        rate("kvwatch_kv_tenant_lost_blocks_total", "engine, tenant, tier, cause"),
+                        "blocks {{tenant}} {{tier}} {{cause}}",
+                    ),
+                ],
+            ),
+            Graph(
+                "Noisy neighbours now (KVTenantThrash) and tenants labelled / folded",
+                "short",
+                [
+                    (
+                        total("kvwatch_alert_active", "pid, tenant, aggressor", f'{PROC},alert="KVTenantThrash"'),
+                        "{{aggressor}} -> {{tenant}}",
+                    ),
+                    (total("kvwatch_kv_tenants", f"{BY_PROC}, state"), "{{pid}} {{state}}"),
+                ],
+            ),
+        ],
+    ),
 ]

@@ -96,10 +96,17 @@ class Prompts:
 
 class Client:
     def __init__(
-        self, host: str, port: int, model: str, timeout: float = 300.0, xargs: dict[str, Any] | None = None
+        self,
+        host: str,
+        port: int,
+        model: str,
+        timeout: float = 300.0,
+        xargs: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.host, self.port, self.model, self.timeout = host, port, model, timeout
         self.xargs = xargs  # vLLM's per-request extra arguments (vllm_xargs): kv_cache_report_mode ...
+        self.extra = extra  # more top-level body fields: cache_salt ...
         self._conn: http.client.HTTPConnection | None = None
 
     def complete(self, prompt: list[int], max_tokens: int, ignore_eos: bool) -> tuple[int, int | None]:
@@ -115,6 +122,8 @@ class Client:
             body["min_tokens"] = max_tokens
         if self.xargs:
             body["vllm_xargs"] = self.xargs
+        if self.extra:
+            body.update(self.extra)
         data = json.dumps(body).encode()
         for attempt in (0, 1):  # a keep-alive connection the server closed: reconnect once
             if self._conn is None:
@@ -189,8 +198,16 @@ class Run:
 
 
 class Load:
-    def __init__(self, host: str, port: int, model: str, seed: int = 0, xargs: dict[str, Any] | None = None) -> None:
-        self.host, self.port, self.model, self.xargs = host, port, model, xargs
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        model: str,
+        seed: int = 0,
+        xargs: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.host, self.port, self.model, self.xargs, self.extra = host, port, model, xargs, extra
         self.prompts = Prompts(seed)
         self.runs: list[Run] = []
 
@@ -198,7 +215,7 @@ class Load:
         run = Run(phase, w, started=time.monotonic())
 
         def client_loop() -> None:
-            c = Client(self.host, self.port, self.model, xargs=self.xargs)
+            c = Client(self.host, self.port, self.model, xargs=self.xargs, extra=self.extra)
             run._clients.append(c)
             try:
                 while not run._stop.is_set():

@@ -24,6 +24,8 @@ from kvwatch.daemon.engines.views import (
     StreamSpec,
     StreamStats,
     TargetState,
+    TenantRow,
+    TenantsView,
     TierReading,
 )
 from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
@@ -48,6 +50,21 @@ from kvwatch.probes.records import ApiCounters, XferCounters
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+TENANTS = TenantsView(
+    rows=(
+        TenantRow(
+            "team-a", "GPU", stored=23, removed=19, removed_young=17, regretted=13, regret_tokens=208, resident=4
+        ),
+        TenantRow(
+            "salt-1a2b3c4d", "GPU", stored=101, removed=7, removed_young=5, regretted=0, regret_tokens=0, resident=94
+        ),
+        TenantRow("other", "GPU", stored=3, removed=2, removed_young=0, regretted=1, regret_tokens=16, resident=1),
+    ),
+    losses={("team-a", "gpu", "evicted"): LossTotal(blocks=19, bytes=19 * 32768.0)},
+    labelled=2,
+    folded=3,
+    overflow=0,
+)
 GOLDEN = Path(__file__).parent.parent / "fixtures" / "golden_metrics.txt"
 LABELS = {
     "engine": "vllm",
@@ -275,6 +292,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 engine=engine_view(),
                 kv_losses=LOSSES,
                 kv_audit=AUDIT,
+                kv_tenants=TENANTS,
                 uprobe_costs=(
                     FamilyCost("cuda", 0.4375, 0.0125, True, 2),
                     FamilyCost("transfer", 0.0625, 0.0125, False, 0),

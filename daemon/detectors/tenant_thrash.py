@@ -1,0 +1,180 @@
+"""KVTenantThrash: one tenant's KV blocks evicted and recomputed because another tenant's
+traffic took the GPU pool — a noisy neighbour, named.
+
+Per engine process and tenant of its GPU pool (``engines/tenants.py``; the series
+``kv_tenant_*:NAME``), over a trailing window:
+
+* the victim: its regretted evictions (blocks it stored again after the pool removed them) per
+  second reach max(factor x its own baseline, ``floor_regretted_per_second``);
+* the aggressor: another tenant whose stores are at least ``aggressor_store_share`` of the
+  pool's stores in the window, and more than the victim's own. A tenant that evicts its own
+  blocks (its own stores dominate) is no victim of anyone; a pool with one tenant storing is
+  not shared, and nothing fires;
+* judged once the pool stored ``min_stored_blocks`` in the window, after ``warmup_seconds`` +
+  ``baseline_min_seconds`` (the baselines learn a tenant's normal regrets); a prefix-cache reset
+  or sleep (AllBlocksCleared) is intentional: not judged in that window.
+
+``unknown`` (blocks whose tenant the stream could not tell) is never a victim nor an aggressor;
+``other`` (tenants past the top-K) may be either: the finding then names ``other``.
+
+One finding per (process, victim), its subject the process's with ``/tenant:NAME``; it names the
+aggressor (kept while it fires), both tenants' shares of the window's stores and evictions, and
+the victim's regret ratio (regretted / stored) before (its baseline) and during.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwatch.daemon import series_names as sn
+from kvwatch.daemon.config import TenantThrashConfig
+from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject, threshold
+from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.series import SeriesSet
+
+ALERT = "KVTenantThrash"
+NEVER = frozenset({"unknown"})  # neither victim nor aggressor
+
+
+@dataclass(slots=True)
+class _Victim:
+    hysteresis: Hysteresis
+    rate: Baseline  # regretted blocks/s, learnt while it does not fire
+    ratio: Baseline  # regretted / stored
+    aggressor: str = ""
+
+
+@dataclass(slots=True)
+class _State:
+    victims: dict[str, _Victim] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    stored: dict[str, float]
+    removed: dict[str, float]
+    regretted: dict[str, float]
+    seconds: float
+
+    @property
+    def pool_stored(self) -> float:
+        return sum(self.stored.values())
+
+    def store_share(self, name: str) -> float:
+        total = self.pool_stored
+        return self.stored.get(name, 0.0) / total if total > 0 else 0.0
+
+    def evicted_share(self, name: str) -> float:
+        total = sum(self.removed.values())
+        return self.removed.get(name, 0.0) / total if total > 0 else 0.0
+
+
+def _window(s: SeriesSet, w: float) -> _Window:
+    def per_tenant(prefix: str) -> dict[str, float]:
+        return {n[len(prefix) :]: s.delta(n, w) for n in s.series if n.startswith(prefix)}
+
+    stored = per_tenant(sn.KV_TENANT_STORED)
+    seconds = max((s.series[f"{sn.KV_TENANT_STORED}{n}"].delta(w)[1] for n in stored), default=0.0)
+    return _Window(stored, per_tenant(sn.KV_TENANT_REMOVED), per_tenant(sn.KV_TENANT_REGRETTED), seconds)
+
+
+class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
+    name = ALERT
+
+    def applies(self, p: ProcessWindow) -> bool:
+        return any(n.startswith(sn.KV_TENANT_STORED) for n in p.series.series)
+
+    def new_state(self) -> _State:
+        return _State()
+
+    def judge_all(self, key: str, st: _State, p: ProcessWindow, now: float) -> list[Finding]:
+        c = self.config
+        win = _window(p.series, c.window_seconds)
+        intentional = p.series.delta(sn.KV_CLEARED, c.window_seconds) > 0
+        judged = p.age >= c.warmup_seconds + c.baseline_min_seconds and not intentional
+        judged = judged and win.pool_stored >= c.min_stored_blocks and win.seconds > 0
+        out = []
+        for name in sorted((win.stored.keys() | st.victims.keys()) - NEVER):
+            v = st.victims.get(name)
+            if v is None:
+                v = st.victims[name] = _Victim(
+                    Hysteresis(c.confirm_windows, c.clear_windows),
+                    Baseline(c.baseline_half_life_seconds),
+                    Baseline(c.baseline_half_life_seconds),
+                )
+            out.append(self._judge_victim(key, p, name, v, win=win, judged=judged, now=now))
+        return out
+
+    def _aggressor(self, win: _Window, victim: str) -> str:
+        others = [(win.stored[n], n) for n in win.stored if n != victim and n not in NEVER]
+        if not others:
+            return ""
+        stored, name = max(others)
+        dominant = win.store_share(name) >= self.config.aggressor_store_share
+        return name if dominant and stored > win.stored.get(victim, 0.0) else ""
+
+    def _judge_victim(
+        self, key: str, p: ProcessWindow, name: str, v: _Victim, *, win: _Window, judged: bool, now: float
+    ) -> Finding:
+        c = self.config
+        regretted, stored = win.regretted.get(name, 0.0), win.stored.get(name, 0.0)
+        rate = regretted / win.seconds if win.seconds > 0 else 0.0
+        ratio = regretted / stored if stored > 0 else 0.0
+        bar = threshold(v.rate.value, c.factor, c.floor_regretted_per_second)
+        aggressor = self._aggressor(win, name) if judged else ""
+        hot = judged and rate >= bar and bool(aggressor)
+        cool = not judged or rate < bar / 2 or not aggressor
+        firing, changed = v.hysteresis.step(hot, cool, now)
+        if firing:
+            v.rate.hold(now)
+            v.ratio.hold(now)
+            if changed or not v.aggressor:
+                v.aggressor = aggressor
+        else:
+            v.aggressor = ""
+            if judged or p.age < c.warmup_seconds + c.baseline_min_seconds:
+                v.rate.update(rate, now)
+                if stored > 0:
+                    v.ratio.update(ratio, now)
+        return self._finding(key, p, name, v, win=win, firing=firing, rate=rate, ratio=ratio)
+
+    def _finding(
+        self,
+        key: str,
+        p: ProcessWindow,
+        name: str,
+        v: _Victim,
+        *,
+        win: _Window,
+        firing: bool,
+        rate: float,
+        ratio: float,
+    ) -> Finding:
+        a = v.aggressor
+        values = {
+            "victim_regretted_per_second": round(rate, 3),
+            "baseline_regretted_per_second": round(v.rate.value, 3),
+            "victim_regret_ratio_before": round(v.ratio.value, 4),
+            "victim_regret_ratio_during": round(ratio, 4),
+            "victim_store_share": round(win.store_share(name), 4),
+            "victim_evicted_share": round(win.evicted_share(name), 4),
+            "aggressor_store_share": round(win.store_share(a), 4) if a else 0.0,
+            "aggressor_evicted_share": round(win.evicted_share(a), 4) if a else 0.0,
+            "pool_stored_blocks": win.pool_stored,
+            "window_seconds": self.config.window_seconds,
+        }
+        labels = {**p.subject.labels, "tenant": name, "aggressor": a}
+        pid = p.subject.labels.get("pid", "?")
+        return Finding(
+            alert=ALERT,
+            subject=Subject(f"{key}/tenant:{name}", labels),
+            firing=firing,
+            cause="noisy_neighbour" if firing else "",
+            values=values,
+            summary=(
+                f"pid {pid}: tenant {name}'s KV blocks evicted and recomputed at {rate:.1f} blocks/s "
+                f"(regret ratio {v.ratio.value:.0%} -> {ratio:.0%}) while tenant {a or '?'} stored "
+                f"{win.store_share(a):.0%} of the pool's blocks"
+            ),
+        )
