@@ -44,7 +44,8 @@ see bench/ and docs/ for measured figures.
 
 TOP_EPILOG = """\
 keys: s next sort column, r reverse, / filter, escape clear filter, a alerting only,
-      + / - refresh faster / slower, q quit
+      t tenants (per tenant of each engine's KV pool: who stores, whose blocks are evicted,
+      who recomputes, and by whom), + / - refresh faster / slower, q quit
 sort columns: pid engine pod gpu alloc allocb free dev host pgfree evict policy stall xfer bw link kv alerts
 reads a running daemon's /api/v1/top when one answers, otherwise starts its own probes (root).
 """
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--sort", choices=SORT_KEYS, default="alloc", help="initial sort column (alloc)")
     top.add_argument("--filter", default="", help="initial filter: text in any column")
     top.add_argument("--width", type=int, help="--once: width of the frame (default 240)")
+    top.add_argument("--tenants", action="store_true", help="start in the tenant view (key t toggles it)")
 
     rec = _command(
         sub, "record", "record a timeline (Chrome trace-event JSON for Perfetto / chrome://tracing)", RECORD_EPILOG
@@ -201,6 +203,7 @@ def cmd_top(config: Config, args: argparse.Namespace) -> int:
         sort=args.sort,
         filter=args.filter,
         width=args.width,
+        tenants=args.tenants,
     )
     from kvwatch.daemon.wiring import build_agent  # noqa: PLC0415 - bcc only when needed
 

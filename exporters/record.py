@@ -7,7 +7,10 @@ One process track per watched process (and one for the node), with lanes:
 * ``page cache`` — (node track, per KV tier) pages evicted by reclaim, deleted (policy), refaulted;
 * ``reclaim stalls`` — milliseconds stalled in direct and memcg reclaim per tick, pages freed;
 * ``KV blocks`` — blocks stored and removed per medium (engine KV event streams);
-* ``alerts`` — one slice per alert, onset to clear (or to the end of the recording).
+* ``KV tenants`` — per tenant of the engine's GPU pool: blocks stored, evicted and recomputed
+  (regretted), where the KV event stream names tenants (cache salts, LoRA adapters);
+* ``alerts`` — one slice per alert, onset to clear (or to the end of the recording); a
+  KVTenantThrash slice is named for its victim and aggressor.
 
 Counters are counts per tick (the agent's tick, in ``otherData.tick_seconds``), placed at
 the start of the tick they describe, so a counter track summed over the trace is the
@@ -34,77 +37,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvwatch.daemon.snapshot import ProcessView, Snapshot
-from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES, TransferDone
+from kvwatch.exporters.record_lanes import (
+    LANE_NAMES,
+    Lane,
+    cuda_totals,
+    kv_totals,
+    lost_totals,
+    reclaim_totals,
+    tenant_totals,
+)
+from kvwatch.probes.records import TransferDone
 
 if TYPE_CHECKING:
     from kvwatch.exporters.loop import Loop
 
 NODE_PID = 0
 MIB = 1024 * 1024
-
-
-class Lane:
-    CUDA = 1
-    TRANSFERS = 2
-    PAGE_CACHE = 3
-    RECLAIM = 4
-    KV_BLOCKS = 5
-    ALERTS = 6
-    KV_LOST = 7
-
-
-LANE_NAMES = {
-    Lane.CUDA: "CUDA allocations",
-    Lane.TRANSFERS: "KV transfers",
-    Lane.PAGE_CACHE: "page cache",
-    Lane.RECLAIM: "reclaim stalls",
-    Lane.KV_BLOCKS: "KV blocks",
-    Lane.ALERTS: "alerts",
-    Lane.KV_LOST: "KV lost by tier and cause",
-}
-
-
-def _cuda_totals(p: ProcessView) -> dict[str, float]:
-    if p.cuda is None:
-        return {}
-    apis = p.cuda.apis
-    return {
-        "allocs": float(sum(apis[a].ok for a in SEGMENT_ALLOCS if a in apis)),
-        "frees": float(sum(apis[a].ok for a in SEGMENT_FREES if a in apis)),
-        "alloc_mib": sum(apis[a].bytes for a in SEGMENT_ALLOCS if a in apis) / MIB,
-        "failed": float(sum(apis[a].err for a in SEGMENT_ALLOCS if a in apis)),
-    }
-
-
-def _kv_totals(p: ProcessView) -> dict[str, float]:
-    if p.engine is None:
-        return {}
-    out: dict[str, float] = {}
-    for medium, m in p.engine.media.items():
-        out[f"stored {medium}"] = float(m.stored)
-        out[f"removed {medium}"] = float(m.removed)
-        out[f"regretted {medium}"] = float(m.regretted)
-    return out
-
-
-def _lost_totals(p: ProcessView) -> dict[str, float]:
-    """The loss ledger's rows in MiB (blocks where the block size is not known yet)."""
-    out: dict[str, float] = {}
-    for (tier, cause), row in p.kv_losses.items():
-        if row.bytes is not None:
-            out[f"{tier} {cause} MiB"] = row.bytes / MIB
-        else:
-            out[f"{tier} {cause} blocks"] = float(row.blocks)
-    return out
-
-
-def _reclaim_totals(p: ProcessView) -> dict[str, float]:
-    m = p.memory
-    return {
-        "direct ms": 1000.0 * m.direct_reclaim_seconds,
-        "memcg ms": 1000.0 * m.memcg_reclaim_seconds,
-        "pages freed": m.page_free_pages,
-    }
 
 
 @dataclass
@@ -213,16 +161,21 @@ class TraceRecorder:
         self.lost = {k: v - self._lost0.get(k, 0) for k, v in lost.items() if v - self._lost0.get(k, 0)}
 
     def _process_lanes(self, p: ProcessView, now_us: float) -> None:
-        cuda = _cuda_totals(p)
+        cuda = cuda_totals(p)
         if cuda:
             self._counter("cuda", pid=p.pid, tid=Lane.CUDA, name="CUDA segments", now_us=now_us, totals=cuda)
-        self._counter("reclaim", pid=p.pid, tid=Lane.RECLAIM, name="reclaim", now_us=now_us, totals=_reclaim_totals(p))
-        kv = _kv_totals(p)
+        self._counter("reclaim", pid=p.pid, tid=Lane.RECLAIM, name="reclaim", now_us=now_us, totals=reclaim_totals(p))
+        kv = kv_totals(p)
         if kv:
             self._counter("kv_blocks", pid=p.pid, tid=Lane.KV_BLOCKS, name="KV blocks", now_us=now_us, totals=kv)
             self._regret_burst(p, now_us)
+        tenants = tenant_totals(p)
+        if tenants:
+            self._counter(
+                "kv_tenants", pid=p.pid, tid=Lane.KV_TENANTS, name="KV tenants", now_us=now_us, totals=tenants
+            )
         if p.kv_losses:
-            ledger = _lost_totals(p)
+            ledger = lost_totals(p)
             self._counter("kv_lost", pid=p.pid, tid=Lane.KV_LOST, name="KV lost", now_us=now_us, totals=ledger)
 
     def _regret_burst(self, p: ProcessView, now_us: float) -> None:
@@ -246,7 +199,10 @@ class TraceRecorder:
                 pid = int(a.labels["pid"]) if a.labels.get("pid", "").isdigit() else NODE_PID
                 start = max(0.0, (a.started_at - self.t0_wall) * 1e6)
                 args = {"severity": a.severity, "cause": a.cause, "summary": a.summary, **dict(a.values)}
-                self._alerts[key] = _Alert(a.alert, pid, min(start, now_us), args)
+                name = a.alert
+                if a.labels.get("tenant"):  # who hurt whom, on the slice itself
+                    name += f" {a.labels.get('aggressor') or '?'} -> {a.labels['tenant']}"
+                self._alerts[key] = _Alert(name, pid, min(start, now_us), args)
         for key in [k for k in self._alerts if k not in active]:
             self._close_alert(self._alerts.pop(key), now_us, still_active=False)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from kvwatch.exporters.top_model import API_PATH, TopFrame, TopRow, build_frame, decode
+from kvwatch.exporters.top_tenants import TENANT_COLUMNS, TenantLine, TenantRates, matches, tenant_cells
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -187,6 +188,14 @@ class ViewState:
     filter: str = ""
     alerting_only: bool = False
     interval: float = 1.0
+    tenants: bool = False  # the tenant view (key t) instead of the process table
+    rates: TenantRates = field(default_factory=TenantRates)
+
+    def tenant_lines(self, frame: TopFrame) -> list[TenantLine]:
+        lines = self.rates.lines(frame)
+        if self.alerting_only:
+            lines = [x for x in lines if x.t.evicted_by]
+        return [x for x in lines if matches(x, self.filter)] if self.filter else lines
 
     def rows(self, frame: TopFrame) -> list[TopRow]:
         rows = [r for r in frame.rows if r.alive]
@@ -209,6 +218,8 @@ def header_text(frame: TopFrame, source: str, view: ViewState, problem: str = ""
         t.append(f" - filter '{view.filter}'")
     if view.alerting_only:
         t.append(" - alerting only")
+    if view.tenants:
+        t.append(" - tenants")
     t.append("\n")
     engines = ", ".join(f"{k} {v}" for k, v in sorted(h.engines.items())) or "none"
     t.append(f"processes {h.processes} ({engines})  GPU {mib(h.gpu_bytes)} MiB  allocs {num(h.alloc_per_s)}/s  ")
@@ -255,6 +266,8 @@ def alerts_text(frame: TopFrame) -> Text:
 
 def plain_frame(frame: TopFrame, source: str, view: ViewState, problem: str = "") -> Group:
     """The whole frame as rich renderables: header, table (or a note), alerts."""
+    if view.tenants:
+        return _tenant_frame(frame, source, view, problem)
     table = Table(box=None, pad_edge=False, header_style="bold reverse", expand=False)
     for c in COLUMNS:
         table.add_column(c.title, justify=c.justify, no_wrap=True)  # type: ignore[arg-type]
@@ -271,6 +284,23 @@ def plain_frame(frame: TopFrame, source: str, view: ViewState, problem: str = ""
     if frame.alerts:
         parts += [Text(""), alerts_text(frame)]
     return Group(*parts)
+
+
+def _tenant_frame(frame: TopFrame, source: str, view: ViewState, problem: str) -> Group:
+    table = Table(box=None, pad_edge=False, header_style="bold reverse", expand=False)
+    for title, _ in TENANT_COLUMNS:
+        table.add_column(title, no_wrap=True)
+    lines = view.tenant_lines(frame)
+    for x in lines:
+        table.add_row(*tenant_cells(x))
+    parts: list[Any] = [header_text(frame, source, view, problem), Text("")]
+    parts.append(table if lines else Text(TENANTS_NONE))
+    if frame.alerts:
+        parts += [Text(""), alerts_text(frame)]
+    return Group(*parts)
+
+
+TENANTS_NONE = "no tenants: no engine's KV event stream names a cache salt or a LoRA adapter"
 
 
 def print_once(frame: TopFrame, source: str, view: ViewState, out: Any = None, width: int | None = None) -> None:
@@ -295,6 +325,7 @@ class TopOptions:
     sort: str = "alloc"
     filter: str = ""
     width: int | None = None
+    tenants: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -331,7 +362,7 @@ def run_top(config: Config, opts: TopOptions, local: Callable[[], Loop] | None =
         return 1
     for note in opts.notes:
         print(f"kvwatch top: {note}", file=sys.stderr)
-    view = ViewState(sort=opts.sort, filter=opts.filter, interval=opts.interval)
+    view = ViewState(sort=opts.sort, filter=opts.filter, interval=opts.interval, tenants=opts.tenants)
     try:
         if opts.once or not sys.stdout.isatty():
             if not opts.once:
@@ -353,7 +384,7 @@ def run_top(config: Config, opts: TopOptions, local: Callable[[], Loop] | None =
 def _once(source: Source, view: ViewState, opts: TopOptions) -> int:
     """One frame, after one interval so that rates exist."""
     try:
-        source.fetch()
+        view.rates.lines(source.fetch())  # the first frame: what the rates start from
         time.sleep(view.interval)
         frame = source.fetch()
     except SourceError as err:

@@ -13,6 +13,7 @@ from typing import ClassVar
 from kvwatch.exporters.top import (
     COLUMNS,
     SORT_KEYS,
+    TENANTS_NONE,
     Source,
     SourceError,
     ViewState,
@@ -21,6 +22,7 @@ from kvwatch.exporters.top import (
     row_cells,
 )
 from kvwatch.exporters.top_model import TopFrame
+from kvwatch.exporters.top_tenants import TENANT_COLUMNS, tenant_cells
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
@@ -48,6 +50,7 @@ class TopApp(App[None]):
         Binding("slash", "filter", "filter"),
         Binding("escape", "clear_filter", "clear filter", show=False),
         Binding("a", "alerting", "alerting only"),
+        Binding("t", "tenants", "tenants"),
         Binding("plus,equals_sign", "faster", "faster"),
         Binding("minus", "slower", "slower"),
     ]
@@ -71,11 +74,19 @@ class TopApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        table = self.query_one("#table", DataTable)
-        for c in COLUMNS:
-            table.add_column(c.title, key=c.key)
+        self._columns()
         self._fetch()
         self._timer = self.set_interval(self.view.interval, self._fetch)
+
+    def _columns(self) -> None:
+        table = self.query_one("#table", DataTable)
+        table.clear(columns=True)
+        if self.view.tenants:
+            for title, _ in TENANT_COLUMNS:
+                table.add_column(title, key=title)
+        else:
+            for c in COLUMNS:
+                table.add_column(c.title, key=c.key)
 
     # --- fetching ------------------------------------------------------------------------------
     def _fetch(self) -> None:
@@ -116,6 +127,10 @@ class TopApp(App[None]):
             header.update(Text(f"kvwatch top: {self.problem or 'waiting for the first frame'}", style="bold"))
             return
         header.update(header_text(self.frame, self.source.description, self.view, self.problem))
+        self.query_one("#alerts", Static).update(alerts_text(self.frame))
+        if self.view.tenants:
+            self._render_tenants(self.frame)
+            return
         table = self.query_one("#table", DataTable)
         rows = self.view.rows(self.frame)
         table.clear()
@@ -127,7 +142,14 @@ class TopApp(App[None]):
             note.update("no process matches the filter")
         else:
             note.update("no inference processes watched (discovery rules: kvwatch doctor; or --pid)")
-        self.query_one("#alerts", Static).update(alerts_text(self.frame))
+
+    def _render_tenants(self, frame: TopFrame) -> None:
+        table = self.query_one("#table", DataTable)
+        lines = self.view.tenant_lines(frame)
+        table.clear()
+        for x in lines:
+            table.add_row(*tenant_cells(x), key=f"{x.t.pid}/{x.t.medium}/{x.t.tenant}")
+        self.query_one("#note", Static).update("" if lines else TENANTS_NONE)
 
     # --- keys ----------------------------------------------------------------------------------
     def action_next_sort(self) -> None:
@@ -141,6 +163,11 @@ class TopApp(App[None]):
 
     def action_alerting(self) -> None:
         self.view.alerting_only = not self.view.alerting_only
+        self._render()
+
+    def action_tenants(self) -> None:
+        self.view.tenants = not self.view.tenants
+        self._columns()
         self._render()
 
     def action_filter(self) -> None:

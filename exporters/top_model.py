@@ -49,6 +49,23 @@ class TopRow(msgspec.Struct, frozen=True, kw_only=True):
     alerts: tuple[str, ...] = ()
 
 
+class TopTenant(msgspec.Struct, frozen=True, kw_only=True):
+    """One tenant of one engine process's KV pool (a medium): cumulative blocks, its share now,
+    and the noisy neighbour naming it (KVTenantThrash)."""
+
+    pid: int
+    engine: str
+    tenant: str
+    medium: str
+    stored: float
+    removed: float
+    regretted: float
+    regret_tokens: float
+    resident: float
+    share_pct: float  # of the medium's blocks held
+    evicted_by: str = ""  # the aggressor, while KVTenantThrash fires with this tenant as victim
+
+
 class TopAlert(msgspec.Struct, frozen=True, kw_only=True):
     alert: str
     severity: str
@@ -87,6 +104,7 @@ class TopFrame(msgspec.Struct, frozen=True, kw_only=True):
     header: TopHeader
     rows: tuple[TopRow, ...]
     alerts: tuple[TopAlert, ...]
+    tenants: tuple[TopTenant, ...] = ()
 
 
 def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow:
@@ -189,7 +207,39 @@ def build_frame(snap: Snapshot, host: str | None = None) -> TopFrame:
         )
         for a in sorted(snap.alerts, key=lambda a: a.started_at)
     )
-    return TopFrame(header=header, rows=rows, alerts=alerts)
+    return TopFrame(header=header, rows=rows, alerts=alerts, tenants=_tenants(snap))
+
+
+def _tenants(snap: Snapshot) -> tuple[TopTenant, ...]:
+    aggressors = {
+        (a.labels.get("pid", ""), a.labels.get("tenant", "")): a.labels.get("aggressor", "")
+        for a in snap.alerts
+        if a.alert == "KVTenantThrash"
+    }
+    out = []
+    for p in snap.processes:
+        if p.kv_tenants is None or not p.alive:
+            continue
+        held: dict[str, float] = {}
+        for r in p.kv_tenants.rows:
+            held[r.medium] = held.get(r.medium, 0.0) + r.resident
+        for r in p.kv_tenants.rows:
+            out.append(
+                TopTenant(
+                    pid=p.pid,
+                    engine=p.labels.get("engine", ""),
+                    tenant=r.tenant,
+                    medium=r.medium,
+                    stored=r.stored,
+                    removed=r.removed,
+                    regretted=r.regretted,
+                    regret_tokens=r.regret_tokens,
+                    resident=r.resident,
+                    share_pct=100.0 * r.resident / held[r.medium] if held[r.medium] else 0.0,
+                    evicted_by=aggressors.get((str(p.pid), r.tenant), "") if r.medium == "GPU" else "",
+                )
+            )
+    return tuple(out)
 
 
 _ENCODER = msgspec.json.Encoder()

@@ -6,7 +6,16 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kvwatch.daemon.engines.views import EnginePlan, EngineView, LossTotal, MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.engines.views import (
+    EnginePlan,
+    EngineView,
+    LossTotal,
+    MediumTotals,
+    StreamSpec,
+    StreamStats,
+    TenantRow,
+    TenantsView,
+)
 from kvwatch.daemon.snapshot import (
     Alert,
     Snapshot,
@@ -138,3 +147,35 @@ def test_kv_lost_lane_per_tier_and_cause() -> None:
     assert {e["tid"] for e in lane} == {Lane.KV_LOST}
     assert [e["args"]["gpu evicted MiB"] for e in lane] == [7, 23, 0]
     assert [e["args"]["cpu offload_dropped blocks"] for e in lane] == [5, 0, 18]
+
+
+def test_tenant_lane_and_the_noisy_neighbour_slice() -> None:
+    """Per tenant of the GPU pool, blocks stored, evicted and recomputed per tick; a KVTenantThrash
+    slice named for aggressor and victim."""
+
+    def with_tenants(t: float, a_regretted: int, b_stored: int, alerts: tuple[Alert, ...] = ()) -> Snapshot:
+        s = snap(t, 100, 0, alerts)
+        rows = (
+            TenantRow("tenant-a", "GPU", 10, a_regretted, 0, a_regretted, 16 * a_regretted, 5),
+            TenantRow("tenant-b", "GPU", b_stored, 0, 0, 0, 0, 50),
+            TenantRow("tenant-b", "CPU", 3, 0, 0, 0, 0, 3),  # a lower tier: not on the pool's lane
+        )
+        view = TenantsView(rows, {}, labelled=2, folded=0, overflow=0)
+        return replace(s, processes=(replace(s.processes[0], kv_tenants=view),))
+
+    thrash = Alert(
+        "KVTenantThrash", "7@1/tenant:tenant-a", {"pid": "7", "tenant": "tenant-a", "aggressor": "tenant-b"},
+        "noisy_neighbour", "warning", T0_WALL + 6.5, {}, "s",
+    )  # fmt: skip
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h")
+    for t, regretted, stored, alerts in ((5.0, 0, 100, ()), (6.0, 0, 400, ()), (7.0, 23, 900, (thrash,))):
+        rec.on_snapshot(with_tenants(t, regretted, stored, alerts))
+    trace = rec.finish(8.0, 1.0)
+    assert problems(trace) == []
+    lane = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "KV tenants"]
+    assert {e["tid"] for e in lane} == {Lane.KV_TENANTS} and LANE_NAMES[Lane.KV_TENANTS] == "KV tenants"
+    assert [e["args"]["stored tenant-b"] for e in lane] == [300, 500]
+    assert [e["args"]["recomputed tenant-a"] for e in lane] == [0, 23]
+    assert all("stored tenant-b CPU" not in e["args"] for e in lane)
+    (slice_,) = [e for e in trace["traceEvents"] if e.get("cat") == "alert"]
+    assert slice_["name"] == "KVTenantThrash tenant-b -> tenant-a"

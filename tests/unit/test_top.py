@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from kvwatch.daemon.engines.views import EnginePlan, EngineView
+from kvwatch.daemon.engines.views import EnginePlan, EngineView, TenantRow, TenantsView
 from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
 from kvwatch.daemon.snapshot import (
     Alert,
@@ -230,3 +230,39 @@ def test_sort_filter_and_empty() -> None:
     assert lines[1].startswith("processes 0 (none)  GPU - MiB  allocs 0/s")
     assert lines[4] == "no inference processes watched (discovery rules: kvwatch doctor; or --pid)"
     assert len(lines) == 5
+
+
+def tenants_snapshot(at: float, a_stored: float, b_stored: float) -> Snapshot:
+    rows = (
+        TenantRow("tenant-a", "GPU", a_stored, 50, 10, 40, 640, resident=30),
+        TenantRow("tenant-b", "GPU", b_stored, 5, 0, 0, 0, resident=90),
+    )
+    p = proc(101, kv_tenants=TenantsView(rows, {}, labelled=2, folded=0, overflow=0))
+    thrash = Alert(
+        alert="KVTenantThrash",
+        subject_key="101@1/tenant:tenant-a",
+        labels={"pid": "101", "engine": "vllm", "tenant": "tenant-a", "aggressor": "tenant-b"},
+        cause="noisy_neighbour",
+        severity="warning",
+        started_at=at - 5,
+        values={},
+        summary="tenant-a evicted",
+    )
+    return dataclasses.replace(Snapshot.empty(), wall_time=at, processes=(p,), alerts=(thrash,))
+
+
+def test_tenant_view_rates_shares_and_who_evicts_whom() -> None:
+    view = ViewState(tenants=True)
+    first = render(build_frame(tenants_snapshot(100.0, 100, 200)), view)
+    assert [line.split()[4:7] for line in first[5:7]] == [["-", "-", "-"]] * 2  # one frame: no rates yet
+    lines = render(build_frame(tenants_snapshot(102.0, 110, 400)), view)  # 2 s later
+    assert lines[0].endswith(" - tenants")
+    assert lines[4].split()[:5] == ["PID", "ENGINE", "TENANT", "MEDIUM", "STORED/s"]
+    assert lines[5].split() == ["101", "vllm", "tenant-a", "GPU", "5.0", "0.0", "0.0", "30", "25%", "tenant-b"]
+    assert lines[6].split() == ["101", "vllm", "tenant-b", "GPU", "100", "0.0", "0.0", "90", "75%", "-"]
+    view.alerting_only = True
+    assert [line.split()[2] for line in render(build_frame(tenants_snapshot(102.0, 110, 400)), view)[5:6]] == [
+        "tenant-a"
+    ]
+    none = render(build_frame(snapshot()), ViewState(tenants=True))
+    assert any(line.startswith("no tenants:") for line in none)
