@@ -86,6 +86,7 @@ USAGE = """commands (one per line; each answered with "ok <command>"):
   decode TOKENS_PER_S   running requests generate     preempting PER_S   requests preempted per second
   sleep LEVEL   sleep mode 1/2 (0: awake)            lose N / forget N   batches off the wire
   garbage       one malformed message               stats     pool counters as JSON
+  subscribers N   answered once N subscribers receive what is published next
   underreport SHARE   /metrics reports only SHARE of the offload bytes stored (0..1; 1: the truth)
   quit"""
 
@@ -114,6 +115,7 @@ def _commands(sim: SimulatedVllm, traffic: Traffic) -> dict[str, Callable[[list[
         "lose": lambda n: pub.lose(int(n[0])),
         "forget": lambda n: pub.forget(int(n[0])),
         "garbage": lambda n: pub.publish_raw(b"\xc1 not msgpack"),
+        "subscribers": lambda n: pub.wait_subscribed(int(n[0])),  # answered once N have subscribed
     }
 
 
