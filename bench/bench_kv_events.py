@@ -47,15 +47,30 @@ def group_fields(g: int, groups: int) -> dict[str, object]:
     }
 
 
-def payloads(n: int = 64, groups: int = 1) -> list[bytes]:
+def tenant_fields(s: int, tenants: int, last: dict[int, int]) -> dict[str, object]:
+    """With tenants, store ``s`` is tenant ``s % tenants``'s: the first of a tenant's chain names
+    it by its cache salt (a request's first block), the next ones follow its last block."""
+    if tenants <= 0:
+        return {}
+    t = s % tenants
+    if t in last:
+        return {"parent": last[t]}
+    return {"parent": None, "extra_keys": [[f"bench-salt-{t}"]] + [None] * (BLOCKS_PER_STORE - 1)}
+
+
+def payloads(n: int = 64, groups: int = 1, tenants: int = 0) -> list[bytes]:
     """Every store and removal announced once per group (as vLLM's coordinator does)."""
     out = []
     h = 1 << 40
+    last: dict[int, int] = {}  # tenant -> its chain's last block
     for i in range(n):
         evs = []
-        for _ in range(STORED_PER_BATCH):
+        for s in range(STORED_PER_BATCH):
             hashes = [h + k for k in range(BLOCKS_PER_STORE)]
-            evs += [stored(hashes, list(range(64)), parent=h - 1, **group_fields(g, groups)) for g in range(groups)]
+            more = tenant_fields(s, tenants, last) or {"parent": h - 1}
+            if tenants:
+                last[s % tenants] = hashes[-1]
+            evs += [stored(hashes, list(range(64)), **more, **group_fields(g, groups)) for g in range(groups)]
             h += BLOCKS_PER_STORE
         for k in range(REMOVED_PER_BATCH):
             evs += [removed([h - 1000 - k], **group_fields(g, groups)) for g in range(groups)]
@@ -63,7 +78,9 @@ def payloads(n: int = 64, groups: int = 1) -> list[bytes]:
     return out
 
 
-def publisher(port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.Event, mp.Value], groups: int) -> None:  # type: ignore[valid-type]
+def publisher(
+    port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.Event, mp.Value], shape: tuple[int, int]
+) -> None:  # type: ignore[valid-type]
     ready, go, sent = sync
     if os.cpu_count() and os.cpu_count() > 1:  # type: ignore[operator]
         os.sched_setaffinity(0, {1})  # the subscriber has core 0 to itself
@@ -71,7 +88,7 @@ def publisher(port: int, rate: float, seconds: float, sync: tuple[mp.Event, mp.E
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
     pub.bind(f"tcp://127.0.0.1:{port}")
-    bodies = payloads(groups=groups)
+    bodies = payloads(groups=shape[0], tenants=shape[1])
     ready.set()
     go.wait()
     seq = 0
@@ -105,11 +122,13 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run(rate: float, seconds: float, groups: int = 1) -> dict[str, float]:
+def run(rate: float, seconds: float, groups: int = 1, tenants: int = 0) -> dict[str, float]:
     port = free_port()
     ready, go = mp.Event(), mp.Event()
     sent = mp.Value("q", 0)
-    proc = mp.get_context("fork").Process(target=publisher, args=(port, rate, seconds, (ready, go, sent), groups))
+    proc = mp.get_context("fork").Process(
+        target=publisher, args=(port, rate, seconds, (ready, go, sent), (groups, tenants))
+    )
     proc.start()
     ready.wait(10)
     hub = KVEventHub()
@@ -138,7 +157,9 @@ def run(rate: float, seconds: float, groups: int = 1) -> dict[str, float]:
     wall = s.last_message_at - t0  # to the last batch drained
     hub.close()
     blocks = sum(g.totals.stored + g.totals.removed for g in s.groups)
+    named = sum(m.stored for by in s.tenants.values() for n, m in by.items() if n != "default")
     return {
+        "tenant_blocks": float(named),
         "rate": rate,
         "sent": float(sent.value),
         "received": float(s.batches),
@@ -159,12 +180,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--rates", default="2500,5000,10000,20000,0", help="batches/s; 0: unpaced")
     ap.add_argument("--groups", default="1", help="KV cache groups, comma-separated for runs side by side (1,6)")
+    ap.add_argument("--tenants", default="0", help="tenants by cache salt, comma-separated for runs side by side (0,3)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = [
-        {**run(float(r), args.seconds, int(g)), "groups": float(g)}
+        {**run(float(r), args.seconds, int(g), int(t)), "groups": float(g), "tenants": float(t)}
         for r in args.rates.split(",")
         for g in args.groups.split(",")
+        for t in args.tenants.split(",")
     ]
     lines = [
         "# KV event subscriber throughput",
@@ -175,20 +198,23 @@ def main() -> None:
         "With G KV cache groups (a hybrid model: the last full attention, the others sliding-window) every event is",
         "announced once per group: G x the events and blocks per batch, each tagged with its group (and a store with",
         "its kind): the same batch rates, G times the blocks.",
+        "With T tenants every store is one of T cache-salted tenants' (the first of each names it by its salt, the",
+        "next follow their parent): each block's tenant is read at its store and its removal charged to it.",
         "The subscriber process is pinned to one core (taskset-style affinity), the publisher to another.",
         "CPU: the subscriber process's user+system seconds over the run's wall time (1.00 = all of its core).",
         "",
-        "| offered batches/s | groups | received / sent | lost | gaps | batches/s | events/s | blocks/s | CPU (cores) "
-        "| blocks/s per core | counts exact |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| offered batches/s | groups | tenants | received / sent | lost | gaps | batches/s | events/s | blocks/s "
+        "| CPU (cores) | blocks/s per core | counts exact | blocks charged to a named tenant |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: |",
     ]
     for r in rows:
         offered = f"{r['rate']:.0f}" if r["rate"] else "unpaced"
         cores = r["cpu"] / r["wall"]
         lines.append(
-            f"| {offered} | {r['groups']:.0f} | {r['received']:.0f} / {r['sent']:.0f} | {r['lost']:.0f} | "
-            f"{r['gaps']:.0f} | {r['batches_per_s']:,.0f} | {r['events_per_s']:,.0f} | {r['blocks_per_s']:,.0f} | "
-            f"{cores:.2f} | {r['blocks_per_s'] / cores:,.0f} | {'yes' if r['blocks_exact'] else 'NO'} |"
+            f"| {offered} | {r['groups']:.0f} | {r['tenants']:.0f} | {r['received']:.0f} / {r['sent']:.0f} | "
+            f"{r['lost']:.0f} | {r['gaps']:.0f} | {r['batches_per_s']:,.0f} | {r['events_per_s']:,.0f} | "
+            f"{r['blocks_per_s']:,.0f} | {cores:.2f} | {r['blocks_per_s'] / cores:,.0f} | "
+            f"{'yes' if r['blocks_exact'] else 'NO'} | {r['tenant_blocks']:,.0f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -27,6 +27,7 @@ from kvwatch.daemon.engines.views import (
     EngineSample,
     EngineView,
     GroupTotals,
+    MediumTotals,
     ScrapeTarget,
     StreamSpec,
     StreamStats,
@@ -39,6 +40,7 @@ from kvwatch.daemon.tracker import Tracked
 log = structlog.get_logger("kvwatch.engine_taps")
 
 REPLAN_SECONDS = 30.0
+MAX_TENANT_SERIES = 32  # per process: the pool's busiest tenants, the rest as other
 MAX_FAMILY_DEPTH = 8
 
 
@@ -75,11 +77,23 @@ def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dic
                 window_group.setdefault(g.medium, g)
         for medium, g in window_group.items():  # a hybrid model's first window-bounded group
             add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
-        for name, m in s.tenants.get("GPU", {}).items():  # the pool's tenants
+        for name, m in _busiest(s.tenants.get("GPU", {})).items():  # the pool's tenants
             add(f"{sn.KV_TENANT_STORED}{name}", m.stored)
             add(f"{sn.KV_TENANT_REMOVED}{name}", m.removed)
             add(f"{sn.KV_TENANT_REGRETTED}{name}", m.regretted)
     return values, gauges
+
+
+def _busiest(tenants: Mapping[str, MediumTotals]) -> dict[str, MediumTotals]:
+    """At most MAX_TENANT_SERIES tenants by blocks stored and removed, the rest summed as other:
+    a bound on the series a process keeps (a tenant moving in or out restarts its series)."""
+    if len(tenants) <= MAX_TENANT_SERIES:
+        return dict(tenants)
+    ranked = sorted(tenants, key=lambda n: (-(tenants[n].stored + tenants[n].removed), n))
+    out = {n: tenants[n] for n in ranked[: MAX_TENANT_SERIES - 1] if n != "other"}
+    rest = [tenants[n] for n in tenants if n not in out]
+    out["other"] = sum(rest, MediumTotals())
+    return out
 
 
 def plan_from_config(t: Tracked, ep: EngineEndpoint, cfg: EnginesConfig) -> EnginePlan:
