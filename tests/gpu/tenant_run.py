@@ -130,7 +130,6 @@ class TenantRun:
         self.start_kvwatch()
         self.start_subscriber()
         self.start_vllm()
-        self.probe_adapters()
         api = str(self.pid)
 
         def tapped() -> bool:
@@ -138,7 +137,9 @@ class TenantRun:
             return (value(kv, "kvwatch_kv_event_stream_connected", pid=api) >= 1
                     and value(kv, "kvwatch_engine_scrapes_total", pid=api, result="ok") > 0)  # fmt: skip
 
-        self.st.mark("tapped", seconds=round(wait_until(tapped, 120, "kvwatch tapped the server"), 1))
+        seconds = round(wait_until(tapped, 120, "kvwatch tapped the server"), 1)
+        self.st.mark("tapped", seconds=seconds, subscriber_batches=self.counts().get("batches", 0))
+        self.probe_adapters()  # after the tap: kvwatch sees every batch the subscriber does
         for k, t in self.tenants.items():
             extra = {"cache_salt": t.salt} if t.salt else None
             self.loads[k] = Load("127.0.0.1", PORT, t.adapter or SERVED, seed=self.args.seed + ord(k), extra=extra)
@@ -206,8 +207,13 @@ class TenantRun:
     def start_vllm(self) -> None:
         lora = any(k in self.tenants for k in ADAPTERS)
         if lora and self.args.engine == "vllm":
-            for i, k in enumerate(ADAPTERS):
-                tenant_lora.write(Path(self.args.model), WORK / "loras", str(self.tenants[k].adapter), seed=i + 1)
+            try:
+                for i, k in enumerate(ADAPTERS):
+                    tenant_lora.write(Path(self.args.model), WORK / "loras", str(self.tenants[k].adapter), seed=i + 1)
+            except (OSError, ValueError, KeyError) as err:
+                self.results["lora"]["failure"] = f"writing the adapters: {err!r}"
+                self.drop_adapters()
+                lora = False
         env = engine_env(self.args.vllm_site) if self.args.engine == "vllm" else None
         for attempt in (lora, False) if lora else (False,):
             self.st.pids["vllm"] = self.pid = start_session(self.serve_argv(attempt), WORK / "vllm.log", env=env)
@@ -231,8 +237,11 @@ class TenantRun:
                 return not alive(self.pid)
             return True
 
-        wait_until(up, max(60.0, min(330.0, self.left() - self.reserve - 60)), "vLLM /health")
-        if alive(self.pid):
+        try:
+            wait_until(up, max(60.0, min(330.0, self.left() - self.reserve - 60)), "vLLM /health")
+        except TimeoutError as err:
+            self.st.note(str(err))
+        if alive(self.pid) and up():
             return True
         stop(self.pid, 10)
         return False
@@ -275,7 +284,8 @@ class TenantRun:
             self.st.note(f"phase {name} skipped: {self.left():.0f} s of this call left")
             return
         plan = {k: w for k, w in plan.items() if k in self.tenants}
-        self.st.mark(f"{name}_start", engine=self.engine(), tenants=sorted(plan))
+        before = self.engine()
+        self.st.mark(f"{name}_start", engine=before, tenants=sorted(plan))
         t0 = time.monotonic()
         leaving = [k for k, (w, _) in self.running.items() if plan.get(k) != w]
         for k in leaving:
@@ -287,9 +297,13 @@ class TenantRun:
                 self.running[k] = (w, self.loads[k].start(name, w))
         time.sleep(max(0.0, t0 + seconds - time.monotonic()))
         t1 = time.monotonic()
-        self.st.mark(f"{name}_end", engine=self.engine())
-        per = {self.tenants[k].name: summary(run, (t0, t1)) for k, (_, run) in self.running.items()}
-        self.results["phases"][name] = {"seconds": round(t1 - t0, 2), "tenants": per}
+        after = self.engine()
+        self.st.mark(f"{name}_end", engine=after)
+        per = {self.tenants[k].name: {**summary(run, (t0, t1)), "phase": name} for k, (_, run) in self.running.items()}
+        delta = {k: after[k] - before[k] for k in ("queries", "hits", "preemptions") if k in before and k in after}
+        if delta.get("queries"):
+            delta["hit_ratio"] = delta["hits"] / delta["queries"]
+        self.results["phases"][name] = {"seconds": round(t1 - t0, 2), "tenants": per, "vllm": delta}
 
     def stop_loads(self) -> None:
         for _, run in self.running.values():

@@ -69,6 +69,7 @@ class TenantRecorder:
         self.out = out
         self.totals: dict[str, dict[str, int]] = {}  # medium -> stored / removed blocks, as announced
         self.batches = self.events = self.gaps = self.missed = self.decode_errors = self.cleared = 0
+        self.unheld_removed = self.removed_twice = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
         self.last_at = 0.0
@@ -94,12 +95,26 @@ class TenantRecorder:
         self.batches += 1
         self.last_at = now
         events = [{**msgspec.structs.asdict(ev), "type": type(ev).__name__} for ev in batch.events]
+        for ev in events:
+            self._unheld(ev)
         self.ref.batch(batch.ts, events)
         self.events += len(events)
         for ev in events:
             self._total(ev)
         line = {"t": round(now - self.t0, 4), "seq": seq, "ts": batch.ts, "ev": [self._short(ev) for ev in events]}
         self.stream.write(json.dumps(line, separators=(",", ":"), default=str) + "\n")
+
+    def _unheld(self, ev: dict[str, Any]) -> None:
+        """Removals of hashes the reference does not hold (before it books them): never stored
+        since the subscription, or removed twice without a store between (one hash in two blocks;
+        the reference then marks the hash's removal as the default tenant's)."""
+        if ev["type"] != "BlockRemoved":
+            return
+        g = self.ref.groups.get((ev.get("medium") or "GPU", ev.get("group_idx") or 0))
+        for h in ev["block_hashes"]:
+            if g is None or h not in g.held:
+                self.unheld_removed += 1
+                self.removed_twice += g is not None and h in g.gone
 
     def _total(self, ev: dict[str, Any]) -> None:
         if ev["type"] == "AllBlocksCleared":
@@ -126,7 +141,8 @@ class TenantRecorder:
                 tenants.setdefault(f"{medium}|{tenant}", dict.fromkeys(FIELDS, 0))["resident"] = n
         for row in tenants.values():
             row.setdefault("resident", 0)
-        keep = ("batches", "events", "gaps", "missed", "decode_errors", "cleared", "first_seq", "last_seq", "last_at")
+        keep = ("batches", "events", "gaps", "missed", "decode_errors", "cleared", "first_seq", "last_seq", "last_at",
+                "unheld_removed", "removed_twice")  # fmt: skip
         return {**{k: getattr(self, k) for k in keep}, "totals": self.totals, "tenants": tenants}
 
     def dump(self) -> None:

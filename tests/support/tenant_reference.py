@@ -96,8 +96,8 @@ class TenantReference:
     def _remove(self, ev: Mapping[str, Any], g: _Group, medium: str, ts: float, counted: bool) -> None:
         for h in ev["block_hashes"]:
             entry = g.held.get(h)
-            if entry is None:
-                g.gone[h] = "default"
+            if entry is None:  # removed again without a store between: the first removal's mark stays
+                g.gone.setdefault(h, "default")
                 if counted:
                     self._count(medium, "unknown", "removed")
                 continue
