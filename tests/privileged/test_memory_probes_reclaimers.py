@@ -99,6 +99,7 @@ def squeeze_setup(probes: MemoryProbes, kvdir: Path) -> Iterator[Squeeze]:
 def test_limit_reclaim_is_charged_to_the_cgroup_that_forced_it(probes: MemoryProbes, kvdir: Path) -> None:
     with squeeze_setup(probes, kvdir) as sq:
         files, a, b, hog = sq.files, sq.a, sq.b, sq.hog
+        b_key = ReclaimerKey(TIER, "memcg", b.cgroup_id)
         r0 = resident_total(files)
         s0 = probes.sample()
         for _ in range(HOG_STEPS):
@@ -112,7 +113,7 @@ def test_limit_reclaim_is_charged_to_the_cgroup_that_forced_it(probes: MemoryPro
         assert r0 - r1 > 10_000, (r0, r1)  # tens of MiB squeezed out of A
         assert reclaim + policy == r0 - r1, (reclaim, policy, r0, r1)  # mincore closes exactly
         assert sum(who.values()) + unattributed == reclaim, (who, unattributed, reclaim)
-        b_memcg = who.get(ReclaimerKey(TIER, "memcg", b.cgroup_id), 0)
+        b_memcg = who.get(b_key, 0)
         a_any = sum(v for k, v in who.items() if k.cgroup_id == a.cgroup_id)
         # B's limit reclaim took the tier; node-wide pressure (kswapd, another task's direct
         # reclaim) may take a share on a busy machine, and is named as such
@@ -141,6 +142,9 @@ def test_limit_reclaim_is_charged_to_the_cgroup_that_forced_it(probes: MemoryPro
     total = end.tiers[TIER]
     attributed = sum(v for k, v in end.reclaimers.items() if k.tier_id == TIER)
     assert attributed + total.unattributed_pages == total.reclaim_pages, (attributed, total)
+    # B's cgroup is gone: its entry can be freed, and nothing else goes with it
+    probes.forget_reclaimer(b_key)
+    assert probes.reclaimers() == {k: v for k, v in end.reclaimers.items() if k != b_key}
 
 
 def test_a_full_reclaimer_map_loses_no_page_of_the_tier(kvdir: Path) -> None:
