@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.lab.memcg import MemoryCgroup
-from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files, resident_total
+from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files
 
 from tests.support.daemon import DaemonProcess, daemon, wait_until
-from tests.support.kernel import Child
+from tests.support.kernel import Child, resident_at_rest
 
 TOML = """
 [daemon]
@@ -63,17 +63,19 @@ def test_the_cgroup_that_squeezed_the_tier_is_named(tmp_path: Path, kvdir: Path)
             a.add(reader.pid)
             b.add(hog.pid)
             reader.step("go", "read")
-            total0, _ = d.settled(lambda: rows(d))  # what reading the tier in may have cost it
-            r0 = resident_total(files)
+
+            def published() -> tuple[float, dict[tuple[str, str, str], float]]:
+                return d.settled(lambda: rows(d))  # every eviction before the call is in it
+
+            # nothing deletes the tier: what left it between two readings at rest is reclaim
+            (total0, _), r0 = resident_at_rest(files, published)
             for _ in range(5):
                 hog.step("go", "held")  # B at the parent's limit: memcg reclaim of A's tier
-            squeezed = (r0 - resident_total(files)) * PAGE
-            assert squeezed > 40 * MIB, squeezed
-            # nothing deletes the tier: its reclaimed bytes close against mincore exactly
-            wait_until(lambda: rows(d)[0] - total0 == squeezed, 30, "the tier's reclaim published")
-            total, by = d.settled(lambda: rows(d))
-            print(f"squeezed {squeezed} bytes; rows {by}")
-            assert total - total0 == squeezed and sum(by.values()) == total, (total0, total, by)
+            (total, by), r1 = resident_at_rest(files, published)
+            print(f"squeezed {(r0 - r1) * PAGE} bytes; rows {by}")
+            assert (r0 - r1) * PAGE > 40 * MIB, (r0, r1)
+            assert total - total0 == (r0 - r1) * PAGE, (total0, total, r0, r1)  # closes against mincore
+            assert sum(by.values()) == total, (total, by)
             b_row = by.get(("cgroup", "memcg", f"/{b.name}"), 0.0)  # its path under the v2 mount
             assert b_row > total / 2, by
             assert not [k for k in by if k[2] == f"/{a.name}"], by

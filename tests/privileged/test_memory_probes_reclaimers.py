@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from kvwatch.daemon.lab.memcg import MemoryCgroup
-from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files, resident_total
+from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes, kernel_dev
 from kvwatch.probes.records import HookState, MemorySample, ReclaimerKey, TierCounters
 
 from tests.support.daemon import wait_until
-from tests.support.kernel import Child
+from tests.support.kernel import Child, resident_at_rest
 
 TIER = 7
 FILES, FILE_MB = 6, 32  # 192 MiB of KV in A
@@ -65,6 +65,19 @@ def by_reclaimer(s0: MemorySample, s1: MemorySample) -> dict[ReclaimerKey, int]:
     return {k: v for k, v in out.items() if v}
 
 
+def at_rest(probes: MemoryProbes, files: list[Path]) -> tuple[MemorySample, int]:
+    """A sample and the tier's residency, with no eviction between them."""
+    s = [probes.sample()]
+
+    def evicted() -> tuple[int, int]:
+        s[0] = probes.sample()
+        t = s[0].tiers.get(TIER, TierCounters(TIER))
+        return t.reclaim_pages, t.policy_pages
+
+    _, resident = resident_at_rest(files, evicted)
+    return s[0], resident  # the sample read after the residency, equal to the one before
+
+
 @dataclass
 class Squeeze:
     """A's process holding the tier in A's page cache; B's process, in a sibling cgroup under
@@ -100,12 +113,10 @@ def test_limit_reclaim_is_charged_to_the_cgroup_that_forced_it(probes: MemoryPro
     with squeeze_setup(probes, kvdir) as sq:
         files, a, b, hog = sq.files, sq.a, sq.b, sq.hog
         b_key = ReclaimerKey(TIER, "memcg", b.cgroup_id)
-        r0 = resident_total(files)
-        s0 = probes.sample()
+        s0, r0 = at_rest(probes, files)
         for _ in range(HOG_STEPS):
             hog.step("go", "held")  # B at the parent's limit: memcg reclaim, in B's context
-        r1 = resident_total(files)
-        s1 = probes.sample()
+        s1, r1 = at_rest(probes, files)
         reclaim, policy, unattributed = moved(s0, s1)
         who = by_reclaimer(s0, s1)
         print(f"squeeze: resident {r0} -> {r1}, reclaim {reclaim}, policy {policy}, by reclaimer {who}")
@@ -122,8 +133,7 @@ def test_limit_reclaim_is_charged_to_the_cgroup_that_forced_it(probes: MemoryPro
 
         # A's tier deleted while B takes one step more: each page cached when the deletion began
         # leaves once, by the deletion (policy) or by B's reclaim when it got there first
-        r2 = resident_total(files)
-        s2 = probes.sample()
+        s2, r2 = at_rest(probes, files)
         hog.send("go")
         for f in files:
             f.unlink()
@@ -156,10 +166,10 @@ def test_a_full_reclaimer_map_loses_no_page_of_the_tier(kvdir: Path) -> None:
         table = probes.program.table("tier_reclaimers")
         table[table.Key(0, 63, 1)] = table.Leaf(0)  # the map's one entry taken by another tier
         with squeeze_setup(probes, kvdir) as sq:
-            r0, s0 = resident_total(sq.files), probes.sample()
+            s0, r0 = at_rest(probes, sq.files)
             for _ in range(HOG_STEPS):
                 sq.hog.step("go", "held")
-            r1, s1 = resident_total(sq.files), probes.sample()
+            s1, r1 = at_rest(probes, sq.files)
         reclaim, policy, unattributed = moved(s0, s1)
         print(f"map full: resident {r0} -> {r1}, reclaim {reclaim}, unattributed {unattributed}")
         assert reclaim + policy == r0 - r1 and reclaim > 10_000, (reclaim, policy, r0, r1)
