@@ -80,6 +80,11 @@ class SeriesSet:
                 s = self.series[name] = CounterSeries(self.horizon)
             s.add(t, v)
 
+    def drop(self, names: Iterable[str]) -> None:
+        """Forget series that will not be written again."""
+        for name in names:
+            self.series.pop(name, None)
+
     def rate(self, name: str, window: float) -> float:
         s = self.series.get(name)
         return s.rate(window) if s else 0.0

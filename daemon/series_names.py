@@ -57,6 +57,9 @@ RECLAIM_PAGES = _declare("reclaim_pages", COUNTER, _MEM, _TIER_READERS, "tier pa
 POLICY_PAGES = _declare("policy_pages", COUNTER, _MEM, ("families.memory",), "tier pages dropped by deletion")
 REFAULT_PAGES = _declare("refault_pages", COUNTER, _MEM, _TIER_READERS, "tier pages read back after reclaim")
 ADDED_PAGES = _declare("added_pages", COUNTER, _MEM, ("families.memory",), "tier pages added to the page cache")
+RECLAIMED_BYTES = _declare(
+    "reclaimed_bytes:", COUNTER, _MEM, ("families.memory",), "+ reclaimer row (families.reclaimers): who reclaimed"
+)
 
 # --- CUDA (families.cuda) --------------------------------------------------------------------------------
 _CUDA = "families.cuda"

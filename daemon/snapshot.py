@@ -139,6 +139,20 @@ class TierCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class TierReclaimer:
+    """Who reclaimed a KV tier's page cache, and how much: one row of the tier's reclaim bytes,
+    whose rows add up to them."""
+
+    reclaimer: str  # cgroup (a task's, in reclaim) / kswapd / kdamond / other (cgroups past the cap) / unknown
+    scope: str  # global (node-wide pressure) / memcg (a cgroup's limit); "" for unknown
+    cgroup: str  # the reclaiming task's cgroup v2 path, or cgroup-id:<n>; "" but for reclaimer cgroup
+    pod_uid: str
+    container: str
+    bytes: float
+    bytes_per_second: float
+
+
+@dataclass(frozen=True, slots=True)
 class TierRates:
     reclaim_bytes: float = 0.0
     policy_bytes: float = 0.0
@@ -175,6 +189,7 @@ class TierView:
     files: int
     totals: TierCounters
     rates: TierRates
+    reclaimers: tuple[TierReclaimer, ...] = ()  # the largest first
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ def memory_options(config: Config) -> MemoryProbeOptions:
         max_watched=max(4096, config.discovery.max_processes * 4),
         max_kv_inodes=config.kv_tiers.max_files,
         max_evicted=config.probes.max_evicted_pages_tracked,
+        max_reclaimers=config.probes.max_reclaimers,
         ringbuf_pages=config.probes.ringbuf_pages,
     )
 

@@ -1,5 +1,6 @@
 """Prometheus families of host memory: page frees and direct reclaim of each watched process,
-its GPU memory (NVML), KV-tier page-cache eviction and refaults, OOM kills, node memory PSI."""
+its GPU memory (NVML), KV-tier page-cache eviction (and who reclaimed it) and refaults, OOM
+kills, node memory PSI."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 OOM_LABELS = ("engine", "role", "container", "pod")
+RECLAIMER_LABELS = ("tier", "reclaimer", "scope", "reclaimer_cgroup", "reclaimer_pod_uid", "reclaimer_container")
 
 
 def process_families(s: Snapshot) -> Iterator[Metric]:
@@ -50,6 +52,13 @@ def tier_families(s: Snapshot) -> Iterator[Metric]:
         "page-cache bytes of KV-tier files evicted; cause=reclaim (memory pressure) or policy (deleted/truncated)",
         labels=["tier", "cause"],
     )
+    reclaimed = CounterMetricFamily(
+        "kvwatch_pagecache_reclaimed_bytes",
+        "page-cache bytes of KV-tier files evicted by reclaim, by who reclaimed them (summed: the tier's"
+        " cause=reclaim); reclaimer=cgroup (a task in reclaim: its cgroup), kswapd, kdamond, other (cgroups"
+        " past the per-tier cap) or unknown; scope=global (node-wide pressure) or memcg (a cgroup's limit)",
+        labels=list(RECLAIMER_LABELS),
+    )
     refault = CounterMetricFamily(
         "kvwatch_pagecache_refault_pages",
         "KV-tier file pages read back after reclaim evicted them",
@@ -59,9 +68,12 @@ def tier_families(s: Snapshot) -> Iterator[Metric]:
     for t in s.tiers:
         evicted.add_metric([t.name, "reclaim"], t.totals.reclaim_bytes)
         evicted.add_metric([t.name, "policy"], t.totals.policy_bytes)
+        for r in t.reclaimers:
+            reclaimed.add_metric([t.name, r.reclaimer, r.scope, r.cgroup, r.pod_uid, r.container], r.bytes)
         refault.add_metric([t.name], t.totals.refault_pages)
         files.add_metric([t.name, t.source], t.files)
     yield evicted
+    yield reclaimed
     yield refault
     yield files
 

@@ -6,7 +6,8 @@
  *                                           mm_page_free_batched fires for the same pages: not attached.
  *   filemap:mm_filemap_delete_from_page_cache  KV-tier file pages leaving the page cache, by cause:
  *                                           reclaim (kswapd/kdamond, or the task is inside a direct/memcg reclaim
- *                                           window) or policy (unlink, truncate, fadvise, drop_caches).
+ *                                           window) or policy (unlink, truncate, fadvise, drop_caches); reclaimed
+ *                                           pages also by reclaimer (kind, and the task's cgroup v2 id).
  *   filemap:mm_filemap_add_to_page_cache    KV-tier file pages coming back; a refault when the same
  *                                           (dev, ino, 16-page granule) was evicted by reclaim before.
  *   vmscan:mm_vmscan_{direct,memcg}_reclaim_{begin,end}
@@ -20,7 +21,8 @@
  *
  * Cost (measured, see bench/): page free ~tens of ns per hit, the hash lookup is
  * the work; page-cache hooks pay one (dev, ino) lookup per page-cache change on
- * the node; the rest fire rarely.
+ * the node, and a reclaimed KV-tier page one more hash update (its reclaimer); the
+ * rest fire rarely.
  *
  * Caveats: mm_page_free fires in the freeing task's context, so a watched
  * process is charged for pages it frees (its own munmap/exit, but also page cache
@@ -40,6 +42,9 @@
 #endif
 #ifndef MAX_TIERS
 #define MAX_TIERS 64
+#endif
+#ifndef MAX_RECLAIMERS
+#define MAX_RECLAIMERS 4096
 #endif
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 64
@@ -87,8 +92,21 @@ struct tier_stats_t {
     u64 policy_pages;
     u64 added_pages;
     u64 refault_pages;
+    u64 unattributed_pages;     /* reclaim_pages that found tier_reclaimers full */
 };
 BPF_PERCPU_ARRAY(tier_stats, struct tier_stats_t, MAX_TIERS);
+
+/* Who reclaimed a tier's pages. kind is KVW_RECLAIMER_*: a task inside a direct (global) or
+ * memcg (a limit) reclaim window, whose cgroup is the one to blame, or kswapd / kdamond,
+ * kernel threads answering node-wide pressure (cgroup_id 0). Every reclaimed page lands here
+ * or, when the map is full, in its tier's unattributed_pages: the entries of a tier and that
+ * field add up to its reclaim_pages. */
+struct reclaimer_key_t {
+    u64 cgroup_id;      /* bpf_get_current_cgroup_id(): the inode of the task's cgroup v2 directory */
+    u32 tier;
+    u32 kind;
+};
+BPF_HASH(tier_reclaimers, struct reclaimer_key_t, u64, MAX_RECLAIMERS);
 
 /* Which watched processes bring a tier's pages in (read or write its files): the
  * tier's owners, whose reclaim stalls count as the tier's pain. */
@@ -100,11 +118,9 @@ BPF_HASH(tier_readers, struct tier_reader_t, u64, 1024);
 
 /* ---- kernel-private state ----------------------------------------------------------- */
 
-#define RECLAIM_DIRECT 1
-#define RECLAIM_MEMCG 2
 struct reclaim_window_t {
     u64 start_ns;
-    u32 kind;
+    u32 kind;           /* KVW_RECLAIMER_DIRECT or KVW_RECLAIMER_MEMCG */
     u32 pad;
 };
 /* LRU: a begin whose end we never saw must not pin a slot forever. */
@@ -176,16 +192,35 @@ int kvw_page_free(struct tracepoint__kmem__mm_page_free *args)
 /* Kernel threads that reclaim outside any vmscan reclaim window: kswapd, and kdamond,
  * whose DAMOS "pageout" action (proactive reclaim, on by default on some cloud kernels)
  * evicts through reclaim_pages() -> shrink_folio_list() with no mm_vmscan_*_reclaim_begin
- * around it. */
-static __always_inline int kvw_is_reclaimer_thread(void) {
+ * around it. Returns KVW_RECLAIMER_KSWAPD / KVW_RECLAIMER_KDAMOND, or 0. */
+static __always_inline u32 kvw_reclaimer_thread(void) {
     char comm[8];
     bpf_get_current_comm(&comm, sizeof(comm));
     if (comm[0] != 'k')
         return 0;
     if (comm[1] == 's' && comm[2] == 'w' && comm[3] == 'a' && comm[4] == 'p' && comm[5] == 'd')
-        return 1;
-    return comm[1] == 'd' && comm[2] == 'a' && comm[3] == 'm' && comm[4] == 'o' && comm[5] == 'n' &&
-           comm[6] == 'd';
+        return KVW_RECLAIMER_KSWAPD;
+    if (comm[1] == 'd' && comm[2] == 'a' && comm[3] == 'm' && comm[4] == 'o' && comm[5] == 'n' && comm[6] == 'd')
+        return KVW_RECLAIMER_KDAMOND;
+    return 0;
+}
+
+/* The reclaim path's one extra map update: the pages go to their reclaimer's entry, or to the
+ * tier's unattributed count when the map is full (the tier total is kept either way). */
+static __always_inline void kvw_count_reclaimer(struct tier_stats_t *ts, u32 tier, u32 kind, u64 cgroup_id,
+                                                u64 pages) {
+    struct reclaimer_key_t rk = {};
+    rk.cgroup_id = cgroup_id;
+    rk.tier = tier;
+    rk.kind = kind;
+    u64 zero = 0;
+    u64 *n = tier_reclaimers.lookup_or_try_init(&rk, &zero);
+    if (n) {
+        __sync_fetch_and_add(n, pages);
+    } else {
+        __sync_fetch_and_add(&ts->unattributed_pages, pages);
+        kvw_lost(KVW_LOST_RECLAIMERS_FULL);
+    }
 }
 
 #ifdef KVW_HOOK_PAGECACHE_DELETE
@@ -209,8 +244,20 @@ int kvw_pagecache_delete(struct tracepoint__filemap__mm_filemap_delete_from_page
     ek.dev = args->s_dev;
     u64 first = args->index >> GRANULE_SHIFT;
     u64 last = (args->index + pages - 1) >> GRANULE_SHIFT;
-    if (kvw_is_reclaimer_thread() || reclaim_window.lookup(&tid)) {
+    u64 cgroup_id = 0;
+    u32 kind = kvw_reclaimer_thread();
+    if (!kind) {
+        struct reclaim_window_t *w = reclaim_window.lookup(&tid);
+        if (w) {
+            kind = w->kind;
+            cgroup_id = bpf_get_current_cgroup_id();
+        }
+    }
+    if (kind) {
+        /* the tier total first: a reader that reads the reclaimers before the tiers never
+         * sees more attributed than reclaimed */
         __sync_fetch_and_add(&ts->reclaim_pages, pages);
+        kvw_count_reclaimer(ts, tier, kind, cgroup_id, pages);
         u8 one = 1;
         for (int i = 0; i < MAX_GRANULES_PER_FOLIO; i++) {
             if (first + i > last)
@@ -299,7 +346,7 @@ static __always_inline int kvw_reclaim_end(void) {
     struct proc_stats_t *s = proc_stats.lookup(&tgid);
     if (!s)
         return 0;
-    if (kind == RECLAIM_MEMCG) {
+    if (kind == KVW_RECLAIMER_MEMCG) {
         __sync_fetch_and_add(&s->memcg_reclaim_ns, delta);
         __sync_fetch_and_add(&s->memcg_reclaim_count, 1);
     } else {
@@ -313,7 +360,7 @@ static __always_inline int kvw_reclaim_end(void) {
 int kvw_direct_reclaim_begin(struct tracepoint__vmscan__mm_vmscan_direct_reclaim_begin *args)
 {
     kvw_hit(KVW_HIT_DIRECT_RECLAIM_BEGIN);
-    return kvw_reclaim_begin(RECLAIM_DIRECT);
+    return kvw_reclaim_begin(KVW_RECLAIMER_DIRECT);
 }
 #endif
 #ifdef KVW_HOOK_DIRECT_RECLAIM_END
@@ -327,7 +374,7 @@ int kvw_direct_reclaim_end(struct tracepoint__vmscan__mm_vmscan_direct_reclaim_e
 int kvw_memcg_reclaim_begin(struct tracepoint__vmscan__mm_vmscan_memcg_reclaim_begin *args)
 {
     kvw_hit(KVW_HIT_MEMCG_RECLAIM_BEGIN);
-    return kvw_reclaim_begin(RECLAIM_MEMCG);
+    return kvw_reclaim_begin(KVW_RECLAIMER_MEMCG);
 }
 #endif
 #ifdef KVW_HOOK_MEMCG_RECLAIM_END

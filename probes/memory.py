@@ -22,6 +22,7 @@ from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_array_sums, percpu_su
 from kvwatch.probes.cstruct import read_structs
 from kvwatch.probes.errors import ProbeAttachError
 from kvwatch.probes.records import (
+    RECLAIMER_KINDS,
     EventBatch,
     HookState,
     HookStatus,
@@ -33,6 +34,7 @@ from kvwatch.probes.records import (
     ProcessForked,
     ProcessMemoryCounters,
     ProcessRenamed,
+    ReclaimerKey,
     TierCounters,
 )
 
@@ -76,6 +78,7 @@ LOST_SOURCES: tuple[str, ...] = (
     "ringbuf",
     "watched_full",
     "reclaim_window_full",
+    "reclaimers_full",
 )
 
 _EV_OOM, _EV_FORK, _EV_EXEC, _EV_EXIT, _EV_RENAME = 1, 2, 3, 4, 5
@@ -87,7 +90,9 @@ _PROC_FIELDS = (
     "memcg_reclaim_ns",
     "memcg_reclaim_count",
 )
-_TIER_FIELDS = ("reclaim_pages", "policy_pages", "added_pages", "refault_pages")
+_TIER_FIELDS = ("reclaim_pages", "policy_pages", "added_pages", "refault_pages", "unattributed_pages")
+# reclaimer kinds in the kernel: KVW_RECLAIMER_<KIND> = index + 1 (0: no reclaimer)
+_KIND_OF = {i + 1: kind for i, kind in enumerate(RECLAIMER_KINDS)}
 
 
 # The ring-buffer record, declared in C only: ``struct kvw_event_t`` of SOURCE, read at import.
@@ -140,6 +145,7 @@ class MemoryProbeOptions:
     max_kv_inodes: int = 65536
     max_evicted: int = 131072
     max_tiers: int = 64
+    max_reclaimers: int = 4096
     ringbuf_pages: int = 64
 
 
@@ -196,6 +202,7 @@ class MemoryProbes:
             f"-DMAX_KV_INODES={o.max_kv_inodes}",
             f"-DMAX_EVICTED={o.max_evicted}",
             f"-DMAX_TIERS={o.max_tiers}",
+            f"-DMAX_RECLAIMERS={o.max_reclaimers}",
             f"-DRINGBUF_PAGES={o.ringbuf_pages}",
             f"-DKVW_EV_OOM={_EV_OOM}",
             f"-DKVW_EV_FORK={_EV_FORK}",
@@ -205,6 +212,7 @@ class MemoryProbes:
         ]
         flags += [f"-DKVW_HIT_{h.name.upper()}={i}" for i, h in enumerate(HOOKS)]
         flags += [f"-DKVW_LOST_{s.upper()}={i}" for i, s in enumerate(LOST_SOURCES)]
+        flags += [f"-DKVW_RECLAIMER_{kind.upper()}={i}" for i, kind in _KIND_OF.items()]
         flags += [f"-DKVW_HOOK_{h.name.upper()}" for h in hooks]
         return flags + sizeof_flags(self.mirrors)
 
@@ -344,8 +352,23 @@ class MemoryProbes:
         batch, self._batch = self._batch, EventBatch()
         return batch
 
+    def reclaimers(self) -> dict[ReclaimerKey, int]:
+        """Pages reclaimed from each tier, by reclaimer (kind, cgroup v2 id)."""
+        return {
+            ReclaimerKey(int(k.tier), _KIND_OF.get(int(k.kind), "unknown"), int(k.cgroup_id)): int(v.value)
+            for k, v in self.program.table("tier_reclaimers").items()
+        }
+
+    def forget_reclaimer(self, key: ReclaimerKey) -> None:
+        """Free a reclaimer's entry (its cgroup is gone, its count read for the last time)."""
+        t = self.program.table("tier_reclaimers")
+        kind = next(i for i, k in _KIND_OF.items() if k == key.kind)
+        with contextlib.suppress(KeyError):
+            del t[t.Key(key.cgroup_id, key.tier_id, kind)]
+
     def sample(self) -> MemorySample:
         prog = self.program
+        reclaimers = self.reclaimers()  # before the tiers: see MemorySample.reclaimers
         procs: dict[int, ProcessMemoryCounters] = {}
         for k, values in prog.table("proc_stats").items():
             tgid = int(k.value)
@@ -364,6 +387,7 @@ class MemoryProbes:
             tier_readers=readers,
             hits=percpu_array_sums(prog.table("hits"), [h.name for h in HOOKS]),
             lost=percpu_array_sums(prog.table("lost"), LOST_SOURCES) | self.skipped(),
+            reclaimers=reclaimers,
         )
 
     def skipped(self) -> dict[str, int]:

@@ -51,6 +51,22 @@ class TierCounters:
     policy_pages: int = 0
     added_pages: int = 0
     refault_pages: int = 0
+    unattributed_pages: int = 0  # reclaimed while the reclaimer map was full: in no ReclaimerKey
+
+
+# Who reclaims, as the kernel tells them apart: a task inside a direct (global) or memcg (a
+# limit) reclaim window, or a kernel thread answering node-wide pressure.
+RECLAIMER_KINDS = ("direct", "memcg", "kswapd", "kdamond")
+TASK_RECLAIMERS = ("direct", "memcg")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ReclaimerKey:
+    """One reclaimer of one KV tier, as the kernel keys its pages."""
+
+    tier_id: int
+    kind: str  # one of RECLAIMER_KINDS
+    cgroup_id: int  # the reclaiming task's cgroup v2 id; 0 for a kernel thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,9 @@ class MemorySample:
     tier_readers: dict[tuple[int, int], int]  # (tgid, tier_id) → pages brought in
     hits: dict[str, int]
     lost: dict[str, int]
+    # pages reclaimed, by reclaimer; read before ``tiers``, so a tier's entries (and its
+    # unattributed pages) never add up to more than its reclaim_pages
+    reclaimers: dict[ReclaimerKey, int] = field(default_factory=dict)
 
 
 # --- rare events (ring buffer) ---------------------------------------------------------

@@ -113,6 +113,7 @@ class ProbesConfig(_Section):
     ]
     ringbuf_pages: Annotated[int, Field(ge=1)] = 64
     max_evicted_pages_tracked: Annotated[int, Field(ge=1024)] = 131072
+    max_reclaimers: Annotated[int, Field(ge=64)] = 4096  # (tier, reclaimer kind, cgroup) entries in the kernel
     cuda: bool = True
     cuda_driver_api: Literal["auto", "all", "off"] = "auto"
     cuda_rescan_seconds: PositiveFloat = 5.0

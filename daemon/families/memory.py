@@ -1,6 +1,6 @@
 """The kernel-memory family in the loop: its program's lifecycle, the events it sends
 (process lifecycle, OOM kills), the per-process and per-tier series its counters feed,
-and the KV tiers whose files it watches.
+the KV tiers whose files it watches, and who reclaimed them (``reclaimers.py``).
 
 Unlike the uprobe families it has no attacher thread: its probes are tracepoints,
 attached once for the whole node, and the loop's poll waits on its ring buffer.
@@ -19,10 +19,11 @@ from kvwatch.daemon.detectors.view import OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import DiscoveredProcess
 from kvwatch.daemon.families.kv_files import KVTierRegistry, Tier
 from kvwatch.daemon.families.oom import oom_event
+from kvwatch.daemon.families.reclaimers import CgroupPaths, Reclaimer, TierReclaimers
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.snapshot import ProbeView, TierCounters, TierRates, TierView
+from kvwatch.daemon.snapshot import ProbeView, TierCounters, TierRates, TierReclaimer, TierView
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.memory import HOOKS, MemoryProbes
@@ -72,6 +73,7 @@ class MemoryFamily:
         self.clock = clock
         self.statuses: list[HookStatus] = []
         self.tiers: KVTierRegistry | None = None
+        self.reclaimers: TierReclaimers | None = None
         self.tier_series: dict[int, SeriesSet] = {}
         self.tier_first_seen: dict[int, float] = {}
         self.oom_kills: dict[OomKey, int] = {}
@@ -101,9 +103,20 @@ class MemoryFamily:
                 max_tiers=self.probes.options.max_tiers,
                 clock=self.clock,
             )
+            self.reclaimers = self._reclaimers(self.probes)
         for st in self.statuses:
             if st.state is not HookState.ATTACHED:
                 log.warning("probe not attached", probe=st.name, state=st.state.value, reason=st.reason)
+
+    def _reclaimers(self, probes: MemoryProbes) -> TierReclaimers:
+        mount = self.procfs.host_cgroup2_mount()
+        if mount is None:
+            log.warning("no cgroup v2 hierarchy: reclaiming cgroups are named by id only")
+
+        def exists(path: str, cgroup_id: int) -> bool:
+            return mount is not None and self.procfs.cgroup2_id(mount, path) == cgroup_id
+
+        return TierReclaimers(probes, CgroupPaths(mount, self.procfs.cgroup2_dirs), exists)
 
     def poll(self, wait_seconds: float, stop: threading.Event) -> None:
         """Wait for the ring buffer (or ``stop``) at most ``wait_seconds``, draining it."""
@@ -224,6 +237,10 @@ class MemoryFamily:
             t.series.add(now, totals)
         if self.tiers is None:
             return
+        folded: list[tuple[int, Reclaimer]] = []
+        if self.reclaimers is not None:
+            unattributed = {i: c.unattributed_pages for i, c in sample.tiers.items()}
+            folded = self.reclaimers.ingest(sample.reclaimers, unattributed, now)
         for tier_id in self.tiers.tier_by_id():
             c2 = sample.tiers.get(tier_id)
             pages = {
@@ -234,7 +251,12 @@ class MemoryFamily:
             }
             pages[sn.RECLAIM_BYTES] = pages[sn.RECLAIM_PAGES] * PAGE_SIZE
             pages[sn.POLICY_BYTES] = pages[sn.POLICY_PAGES] * PAGE_SIZE
-            self.tier_series.setdefault(tier_id, SeriesSet(TIER_SERIES_SECONDS)).add(now, pages)
+            series = self.tier_series.setdefault(tier_id, SeriesSet(TIER_SERIES_SECONDS))
+            series.drop(sn.RECLAIMED_BYTES + row.key for t, row in folded if t == tier_id)
+            if self.reclaimers is not None:
+                for row, n in self.reclaimers.book.rows(tier_id).items():
+                    pages[sn.RECLAIMED_BYTES + row.key] = float(n) * PAGE_SIZE
+            series.add(now, pages)
             self.tier_first_seen.setdefault(tier_id, now)
 
     def owners(self) -> dict[int, list[Tracked]]:
@@ -308,6 +330,25 @@ class MemoryFamily:
                         added_pages=s.last(sn.ADDED_PAGES),
                     ),
                     rates=TierRates(r[sn.RECLAIM_BYTES], r[sn.POLICY_BYTES], r[sn.REFAULT_PAGES]),
+                    reclaimers=self._reclaimer_views(tier.tier_id, s),
                 )
             )
         return tuple(views)
+
+    def _reclaimer_views(self, tier_id: int, s: SeriesSet) -> tuple[TierReclaimer, ...]:
+        """Who reclaimed the tier: its rows, the largest first."""
+        if self.reclaimers is None:
+            return ()
+        rows = [
+            TierReclaimer(
+                reclaimer=row.reclaimer,
+                scope=row.scope,
+                cgroup=row.cgroup,
+                pod_uid=row.pod_uid,
+                container=row.container,
+                bytes=s.last(sn.RECLAIMED_BYTES + row.key),
+                bytes_per_second=s.rate(sn.RECLAIMED_BYTES + row.key, RATE_WINDOW),
+            )
+            for row in self.reclaimers.book.rows(tier_id)
+        ]
+        return tuple(sorted(rows, key=lambda r: (-r.bytes, r.reclaimer, r.scope, r.cgroup)))

@@ -1,4 +1,4 @@
-"""Container and pod identity from ``/proc/PID/cgroup`` lines.
+"""Container and pod identity from ``/proc/PID/cgroup`` lines, or from a cgroup's path.
 
 Handles cgroup v1 and v2, cgroupfs and systemd drivers, docker, containerd
 (cri-containerd), CRI-O and podman naming. The pod *name* is not in the cgroup
@@ -64,4 +64,15 @@ def parse_cgroup(lines: Iterable[str]) -> CgroupIdentity:
         path=chosen,
         memory_path=memory or unified,
         unified_path=unified,
+    )
+
+
+def identity_of_path(path: str) -> CgroupIdentity:
+    """Container and pod of a cgroup v2 path (a reclaiming task's cgroup, found by its id)."""
+    return CgroupIdentity(
+        container_id=_container_of(path),
+        pod_uid=_pod_of(path),
+        path=path,
+        memory_path=path,
+        unified_path=path,
     )

@@ -10,6 +10,7 @@ host's namespace holds every process. A process is identified by PID **and** sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -234,6 +235,45 @@ class ProcFS:
         except ProcError:
             return None
         return self.under_root(mount) if mount is not None else None
+
+    def host_cgroup2_mount(self) -> Path | None:
+        """The node's whole cgroup v2 hierarchy: its mount as PID 1 sees it, opened through
+        ``1/root`` (in a container, kvwatch's own mount may show its own cgroup only); kvwatch's
+        own mount when PID 1's cannot be read."""
+        try:
+            mount = parse_cgroup2_mount(self.mountinfo(1))
+        except ProcError:
+            mount = None
+        if mount is not None:
+            path = self.root_path(1) / mount.lstrip("/")
+            with contextlib.suppress(OSError):  # PID 1 may be out of reach (another user namespace)
+                if path.is_dir():
+                    return path
+        return self.cgroup2_mount()
+
+    def cgroup2_dirs(self, mount: Path) -> Iterator[tuple[int, str]]:
+        """Every cgroup of the v2 hierarchy mounted at ``mount``: (its id, its path below the
+        mount). A cgroup v2 id is the inode number of its directory (what
+        ``bpf_get_current_cgroup_id`` returns); a cgroup removed during the walk is skipped."""
+        stack = [(mount, "")]
+        while stack:
+            directory, rel = stack.pop()
+            try:
+                entries = list(os.scandir(directory))
+                yield directory.stat().st_ino, rel or "/"
+            except OSError:
+                continue
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append((Path(e.path), f"{rel}/{e.name}"))
+
+    def cgroup2_id(self, mount: Path, path: str) -> int | None:
+        """The id of the cgroup at ``path`` below the v2 mount, None when there is none."""
+        try:
+            return (mount / path.lstrip("/")).stat().st_ino
+        except OSError:
+            return None
 
     def pressure(self, resource: str, cgroup_dir: Path | None = None) -> str:
         """Pressure stall information: node-wide (``pressure/RESOURCE``), or of a cgroup v2

@@ -242,6 +242,19 @@ def cmd_engine(args: argparse.Namespace) -> None:
     _wait("exit")
 
 
+def cmd_hog(args: argparse.Namespace) -> None:
+    """Anonymous memory, kept: each "go" allocates and touches ``mb`` MiB more, then answers
+    "held". In a memory cgroup at its limit (no swap), every page of it is page cache the
+    kernel reclaimed from the cgroup in this process's context."""
+    held = []
+    while _wait("go"):
+        b = bytearray(args.mb * MIB)
+        for off in range(0, len(b), PAGE):
+            b[off] = 1
+        held.append(b)
+        _say("held")
+
+
 def cmd_oom(args: argparse.Namespace) -> None:
     if not _wait("go"):
         return
@@ -264,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--rate-mb", type=int, default=200)
     s.add_argument("--seconds", type=float, default=20.0)
     sub.add_parser("oom")
+    s = sub.add_parser("hog")
+    s.add_argument("--mb", type=int, required=True)
     s = sub.add_parser("read")
     s.add_argument("files", nargs="+")
     s = sub.add_parser("xferstub")
@@ -285,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
         {"xferstub": xfer.cmd_xferstub, "ncclcalls": xfer.cmd_ncclcalls}[args.cmd](args)
     else:
-        {"pages": cmd_pages, "engine": cmd_engine, "oom": cmd_oom, "read": cmd_read}[args.cmd](args)
+        {"pages": cmd_pages, "engine": cmd_engine, "oom": cmd_oom, "hog": cmd_hog, "read": cmd_read}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,20 @@ ROWS: list[tuple[str, list[Graph]]] = [
                 [(rate("kvwatch_pagecache_evicted_bytes_total", "tier, cause", NODE), "{{tier}} {{cause}}")],
             ),
             Graph(
+                "KV-tier page cache reclaimed, by whom",
+                "Bps",
+                [
+                    (
+                        rate(
+                            "kvwatch_pagecache_reclaimed_bytes_total",
+                            "tier, reclaimer, scope, reclaimer_cgroup, reclaimer_pod_uid",
+                            NODE,
+                        ),
+                        "{{tier}} {{reclaimer}} {{scope}} {{reclaimer_cgroup}}",
+                    )
+                ],
+            ),
+            Graph(
                 "KV-tier refaults /s",
                 "short",
                 [(rate("kvwatch_pagecache_refault_pages_total", "tier", NODE), "{{tier}}")],

@@ -10,9 +10,14 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
 
-from kvwatch.daemon.lab.workloads import Workload
+from kvwatch.daemon.lab.workloads import Workload, resident_total
 from kvwatch.probes.tracefs import tracefs_root
+
+T = TypeVar("T")
 
 
 class Child(Workload):
@@ -120,3 +125,17 @@ def wait_uprobes(tracer_pid: int, *libraries: str, timeout: float = 60.0) -> int
     raise AssertionError(
         f"uprobes of {tracer_pid} on {libraries} not settled after {timeout}s: {uprobe_files(tracer_pid)[:5]}"
     )
+
+
+def resident_at_rest(files: Iterable[Path], count: Callable[[], T], attempts: int = 100) -> tuple[T, int]:
+    """``mincore``'s pages of ``files`` with kvwatch's ``count`` of their evictions, taken while no
+    eviction happened: the count read before and after the residency agree. The kernel may evict
+    at any moment (DAMON's proactive reclaim, kswapd), so a residency and a count read one after
+    the other close only when nothing moved between them."""
+    paths = list(files)
+    for _ in range(attempts):
+        before = count()
+        resident = resident_total(paths)
+        if count() == before:
+            return before, resident
+    raise AssertionError(f"the tier's pages kept leaving over {attempts} reads")

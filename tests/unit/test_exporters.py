@@ -42,6 +42,7 @@ from kvwatch.daemon.snapshot import (
     Snapshot,
     TierCounters,
     TierRates,
+    TierReclaimer,
     TierView,
     TransferView,
 )
@@ -66,6 +67,11 @@ TENANTS = TenantsView(
     overflow=0,
 )
 GOLDEN = Path(__file__).parent.parent / "fixtures" / "golden_metrics.txt"
+SQUEEZER_POD = "8d4e1f2a-1b2c-4d5e-8f90-123456789abc"
+SQUEEZER = (
+    "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod8d4e1f2a_1b2c_4d5e_8f90_123456789abc.slice"
+    "/cri-containerd-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef.scope"
+)
 LABELS = {
     "engine": "vllm",
     "role": "decode",
@@ -326,6 +332,12 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 files=123,
                 totals=TierCounters(reclaim_bytes=4096.0 * 1000, policy_bytes=4096.0 * 7, refault_pages=250.0),
                 rates=TierRates(),
+                reclaimers=(  # 1000 pages: the tier's reclaim, row by row
+                    TierReclaimer("cgroup", "memcg", SQUEEZER, SQUEEZER_POD, "0123456789ab", 4096.0 * 700, 0.0),
+                    TierReclaimer("kswapd", "global", "", "", "", 4096.0 * 250, 0.0),
+                    TierReclaimer("other", "memcg", "", "", "", 4096.0 * 40, 0.0),
+                    TierReclaimer("unknown", "", "", "", "", 4096.0 * 10, 0.0),
+                ),
             ),
         ),
         alerts=(
@@ -414,6 +426,10 @@ def test_parsed_values() -> None:
     assert pf.value == 2311 and pf.labels["pod"] == "vllm-0"
     ev = {s.labels["cause"]: s.value for s in fams["kvwatch_pagecache_evicted_bytes"].samples}
     assert ev == {"reclaim": 4096000.0, "policy": 28672.0}
+    by = [s for s in fams["kvwatch_pagecache_reclaimed_bytes"].samples if s.name.endswith("_total")]
+    assert sum(s.value for s in by) == ev["reclaim"]  # the rows add up to the tier's reclaim
+    (squeezer,) = [s for s in by if s.labels["reclaimer"] == "cgroup"]
+    assert squeezer.labels["reclaimer_pod_uid"] == SQUEEZER_POD and squeezer.labels["scope"] == "memcg"
     weird = [s for s in fams["kvwatch_watched_processes"].samples if s.labels["engine"].startswith("we")]
     assert weird[0].labels["engine"] == 'we"ird\\name\n'  # escaped on the wire, intact after parsing
     calls = {(s.labels["api"], s.labels["result"]): s.value for s in fams["kvwatch_cuda_alloc_calls"].samples}
