@@ -163,16 +163,20 @@ class EngineTaps:
         self.errors = errors
         self.clock = clock
         self.reach = Reach(procfs)
-        key, problem = load_key(config.tenant_key_file)
-        if problem:
-            errors.record("tenant_key", f"tenant names will change at the next restart: {problem}", level="warning")
+
+        def node_key() -> bytes:  # read (or made) at the first unnamed cache salt, not before
+            key, problem = load_key(config.tenant_key_file)
+            if problem:
+                errors.record("tenant_key", f"tenant names will change at the next restart: {problem}", level="warning")
+            return key
+
         self.hub = hub or KVEventHub(
             thrash_seconds=config.thrash_seconds,
             max_tracked_blocks=config.max_tracked_blocks,
             regret_memory_blocks=config.regret_memory_blocks,
             replay_timeout_seconds=config.replay_timeout_seconds,
             clock=clock,
-            namer=TenantNamer(config.tenants, key),
+            namer=TenantNamer(config.tenants, node_key),
         )
         self.scraper = scraper or EngineScraper(
             interval=config.scrape_interval_seconds,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -66,8 +66,11 @@ def _sha256(salt: str) -> str:
 
 
 class TenantNamer:
-    def __init__(self, rules: Iterable[TenantRule], key: bytes) -> None:
-        self._key = key
+    """``key``: the node key, or how to get it (read, or made, at the first unnamed salt)."""
+
+    def __init__(self, rules: Iterable[TenantRule], key: bytes | Callable[[], bytes]) -> None:
+        self._key_source = key
+        self._key: bytes | None = key if isinstance(key, bytes) else None
         self._salts: dict[str, str] = {}  # SHA-256 hex of a salt -> name
         self._loras: dict[str, str] = {}
         for r in rules:
@@ -84,6 +87,8 @@ class TenantNamer:
         if lora is not None and lora in self._loras:
             return self._loras[lora]
         if salt is not None:
+            if self._key is None:
+                self._key = self._key_source() if callable(self._key_source) else self._key_source
             return "salt-" + hmac.new(self._key, salt.encode(), hashlib.sha256).hexdigest()[:8]
         if lora is not None:
             ok = lora.isprintable() and len(lora) <= MAX_LORA_CHARS

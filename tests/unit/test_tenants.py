@@ -174,3 +174,21 @@ def test_the_fold_keeps_k_labels_and_other_only_grows() -> None:
     assert fold.folded == {"c", "d"} and fold.labels == {"a", "b"}
     totals = [sum(v["stored"] for v in out.values())]
     assert totals == [11 + 6 + 50 + 2 + 3]
+
+
+def test_the_node_key_is_read_only_for_an_unnamed_salt() -> None:
+    calls: list[int] = []
+
+    def key() -> bytes:
+        calls.append(1)
+        return KEY
+
+    namer = TenantNamer(RULES, key)
+    assert (namer.name("salt-of-a", None), namer.name(None, "x"), namer.name(None, None)) == (
+        "team-a",
+        "lora:x",
+        "default",
+    )
+    assert calls == []  # a node that never sees an unnamed salt never writes a key
+    assert namer.name("s1", None) == TenantNamer([], KEY).name("s1", None) and namer.name("s2", None)
+    assert calls == [1]
