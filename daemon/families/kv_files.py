@@ -2,11 +2,25 @@
 
 Tiers come from config and from engine environments (LMCache local disk,
 SGLang HiCache file backend), resolved through ``/proc/PID/root`` so a
-container's directory is found on the host. Files are tracked by inotify (new
-files are in the kernel's set within one tick) plus a periodic rescan that
-also repairs missed events. A deleted file's inode leaves the set only after a
-grace period: its page-cache pages are removed *after* the unlink is reported,
-and those removals are exactly the ``policy`` evictions we want to count.
+container's directory is found on the host. Files are tracked by inotify plus a
+periodic rescan that also repairs missed events. A deleted file's inode leaves
+the set only after a grace period: its page-cache pages are removed *after* the
+unlink is reported, and those removals are exactly the ``policy`` evictions we
+want to count.
+
+A file must be in the kernel's set before it is deleted, or its pages leave
+uncounted; a busy disk tier writes, reads and deletes chunk files within
+milliseconds. So inotify is drained as events arrive, by the
+``kvwatch-kv-files`` thread (``kv_inotify.py``), which stats each created or
+moved-in file at once; the tick drains too, as the fallback when the thread is
+not running. Every change to the registry and to the kernel's set is made under
+``KVTierRegistry.lock``: the thread and the tick never interleave their writes.
+Once both the create and the delete of a file are queued before a drain, its
+inode can no longer be known (the stat comes after the unlink); a file whose
+whole life is shorter than the thread's wake-up (a scheduling delay, or a
+rescan holding the lock) is missed. Registering from the kernel side was
+rejected: no tracepoint reports a file created in a given directory, and
+kprobes and fentry are not available on every node kvwatch runs on.
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ import contextlib
 import os
 import re
 import stat
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +150,8 @@ class KVTierRegistry:
         self._pending_removal: list[tuple[float, int, int]] = []
         self._next_rescan = 0.0
         self._inotify = _open_inotify()
+        # held by every public entry point: the tick and the inotify reader thread
+        self.lock = threading.Lock()
 
     # --- which tiers -----------------------------------------------------------------
     def config_specs(self) -> list[TierSpec]:
@@ -142,6 +159,10 @@ class KVTierRegistry:
 
     def sync(self, processes: Iterable[DiscoveredProcess]) -> None:
         """Make the tier set match config + the environments of the watched processes."""
+        with self.lock:
+            self._sync(processes)
+
+    def _sync(self, processes: Iterable[DiscoveredProcess]) -> None:
         specs = self.config_specs()
         if self.config.from_environment:
             for p in processes:
@@ -228,6 +249,10 @@ class KVTierRegistry:
 
     def refresh(self) -> None:
         """Apply inotify events, expire deleted inodes, rescan when due. Called every tick."""
+        with self.lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         now = self.clock()
         if self._inotify is not None:
             self._drain_inotify(now)
@@ -248,6 +273,15 @@ class KVTierRegistry:
     def _still_listed(self, dev: int, ino: int) -> bool:
         return any((dev, ino) in t.files.values() for t in self.tiers.values())
 
+    def inotify_fd(self) -> int | None:
+        """The inotify descriptor, to wait on; None when inotify is unavailable or closed."""
+        return None if self._inotify is None else self._inotify.fileno()
+
+    def drain_inotify(self) -> None:
+        """Apply the inotify events queued now (the reader thread calls it when they arrive)."""
+        with self.lock:
+            self._drain_inotify(self.clock())
+
     def _drain_inotify(self, now: float) -> None:
         if self._inotify is None:
             return
@@ -256,6 +290,9 @@ class KVTierRegistry:
         except OSError:
             self.stats.scan_errors += 1
             return
+        self._apply_events(events, now)
+
+    def _apply_events(self, events: Iterable[_Event], now: float) -> None:
         by_wd = {wd: (tier, d) for tier in self.tiers.values() for wd, d in tier.watch_descriptors.items()}
         for ev in events:
             if ev.mask & _IN_Q_OVERFLOW:
@@ -286,10 +323,12 @@ class KVTierRegistry:
         return {t.tier_id: t for t in self.tiers.values()}
 
     def close(self) -> None:
-        if self._inotify is not None:
-            with contextlib.suppress(OSError):
-                self._inotify.close()
-            self._inotify = None
+        """Close inotify; the reader thread must have been stopped first."""
+        with self.lock:
+            if self._inotify is not None:
+                with contextlib.suppress(OSError):
+                    self._inotify.close()
+                self._inotify = None
 
 
 def _tier_key(spec: TierSpec) -> str | None:
@@ -340,5 +379,7 @@ class _INotifyLike(Protocol):
     def add_watch(self, path: str, mask: int) -> int: ...
 
     def read(self, timeout: int | None = ...) -> list[_Event]: ...
+
+    def fileno(self) -> int: ...
 
     def close(self) -> None: ...

@@ -3,7 +3,8 @@
 the KV tiers whose files it watches, and who reclaimed them (``reclaimers.py``).
 
 Unlike the uprobe families it has no attacher thread: its probes are tracepoints,
-attached once for the whole node, and the loop's poll waits on its ring buffer.
+attached once for the whole node, and the loop's poll waits on its ring buffer. Its one
+thread, ``kvwatch-kv-files`` (``kv_inotify.py``), registers new KV files as they are created.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.view import OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import DiscoveredProcess
 from kvwatch.daemon.families.kv_files import KVTierRegistry, Tier
+from kvwatch.daemon.families.kv_inotify import KVFileWatcher
 from kvwatch.daemon.families.oom import oom_event
 from kvwatch.daemon.families.reclaimers import CgroupPaths, Reclaimer, TierReclaimers
 from kvwatch.daemon.host.procfs import ProcFS
@@ -73,6 +75,7 @@ class MemoryFamily:
         self.clock = clock
         self.statuses: list[HookStatus] = []
         self.tiers: KVTierRegistry | None = None
+        self.tier_watcher: KVFileWatcher | None = None
         self.reclaimers: TierReclaimers | None = None
         self.tier_series: dict[int, SeriesSet] = {}
         self.tier_first_seen: dict[int, float] = {}
@@ -103,6 +106,8 @@ class MemoryFamily:
                 max_tiers=self.probes.options.max_tiers,
                 clock=self.clock,
             )
+            self.tier_watcher = KVFileWatcher(self.tiers)
+            self.tier_watcher.start()
             self.reclaimers = self._reclaimers(self.probes)
         for st in self.statuses:
             if st.state is not HookState.ATTACHED:
@@ -143,6 +148,8 @@ class MemoryFamily:
         )
 
     def close(self) -> None:
+        if self.tier_watcher is not None:
+            self.tier_watcher.stop()
         if self.tiers is not None:
             self.tiers.close()
         if self.probes is not None:
