@@ -46,8 +46,9 @@ class TenantRates:
 
             out.append(TenantLine(t, rate("stored"), rate("removed"), rate("regretted")))
         self._prev = {(t.pid, t.tenant, t.medium): t for t in frame.tenants}
+        out.sort(key=lambda x: (x.t.pid, x.t.medium, -(x.regretted_per_s or 0.0), x.t.tenant))
         self._at, self._frame_at, self._lines = at, at, out
-        return sorted(out, key=lambda x: (x.t.pid, x.t.medium, -(x.regretted_per_s or 0.0), x.t.tenant))
+        return out
 
 
 def _num(v: float | None) -> str:

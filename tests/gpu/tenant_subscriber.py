@@ -28,19 +28,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.gpu.vllm_subscriber import vllm_classes
+from tests.gpu.vllm_subscriber import subscribe, vllm_classes
 from tests.support.tenant_reference import FIELDS, TenantReference
 
 UNNAMED_SALT = "salt-*"
@@ -167,30 +164,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     names = json.loads(args.names.read_text())
     rec = TenantRecorder(vllm_classes(args.kv_events_py), args.out, names, args.thrash_seconds)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 1_000_000)
-    sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
-    sub.connect(args.endpoint)
-    print(json.dumps({"subscribed": args.endpoint, "t0_monotonic": rec.t0, "t0_wall": time.time()}), flush=True)
-    next_dump = 0.0
-    while not stop.is_set():
-        if sub.poll(200):
-            for _ in range(5000):
-                try:
-                    frames = sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                rec.on_frames(frames, time.monotonic())
-        if time.monotonic() >= next_dump:
-            rec.dump()
-            next_dump = time.monotonic() + 0.5
-    rec.close()
-    sub.close(0)
-    ctx.term()
+    subscribe(rec, args.endpoint, args.topic)
 
 
 if __name__ == "__main__":

@@ -220,24 +220,18 @@ class Recorder:
         (self.out / "raw_frames.json").write_text(json.dumps(self.raw))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
-    ap.add_argument("--topic", default="")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--kv-events-py")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    rec = Recorder(vllm_classes(args.kv_events_py), args.out)
+def subscribe(rec: Any, endpoint: str, topic: str) -> None:
+    """Feed ``rec`` (``on_frames``, ``dump`` every 0.5 s, ``close``, ``t0``) every message of the
+    stream until SIGTERM or SIGINT."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 1_000_000)
-    sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
-    sub.connect(args.endpoint)
-    print(json.dumps({"subscribed": args.endpoint, "t0_monotonic": rec.t0, "t0_wall": time.time()}), flush=True)
+    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sub.connect(endpoint)
+    print(json.dumps({"subscribed": endpoint, "t0_monotonic": rec.t0, "t0_wall": time.time()}), flush=True)
     next_dump = 0.0
     while not stop.is_set():
         if sub.poll(200):
@@ -253,6 +247,18 @@ def main() -> None:
     rec.close()
     sub.close(0)
     ctx.term()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
+    ap.add_argument("--topic", default="")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--kv-events-py")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(vllm_classes(args.kv_events_py), args.out)
+    subscribe(rec, args.endpoint, args.topic)
 
 
 if __name__ == "__main__":

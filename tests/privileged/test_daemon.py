@@ -9,8 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,14 +44,6 @@ floor_bytes_per_second = 33554432
 active_seconds = 30
 {extra}
 """
-
-
-@pytest.fixture
-def kvdir() -> Iterator[Path]:
-    d = Path("/var/tmp") / f"kvwatch-e2e-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir(parents=True)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_page_free_through_metrics_and_clean_sigterm(tmp_path: Path, kvdir: Path) -> None:

@@ -5,12 +5,8 @@ reclaimed bytes."""
 from __future__ import annotations
 
 import os
-import shutil
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files
 
@@ -26,14 +22,6 @@ interval_seconds = 0.5
 dirs = [{{ path = "{kvdir}", name = "test-tier" }}]
 rescan_seconds = 1
 """
-
-
-@pytest.fixture
-def kvdir() -> Iterator[Path]:
-    d = Path("/var/tmp") / f"kvwatch-e2e-reclaimers-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir(parents=True)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def rows(d: DaemonProcess) -> tuple[float, dict[tuple[str, str, str], float]]:

@@ -9,9 +9,7 @@ each unlink."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +24,6 @@ tick_seconds = 1.0
 [kv_tiers]
 rescan_seconds = 3600
 """
-
-
-@pytest.fixture
-def kvdir() -> Iterator[Path]:
-    d = Path("/var/tmp") / f"kvwatch-e2e-short-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir(parents=True)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def evicted_pages(d: DaemonProcess, tier: str) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -32,14 +31,6 @@ def probes() -> Iterator[MemoryProbes]:
     assert not bad, f"hooks not attached on this kernel: {bad}"
     yield p
     p.close()
-
-
-@pytest.fixture
-def kvdir() -> Iterator[Path]:
-    d = Path("/var/tmp") / f"kvwatch-test-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir(parents=True)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def pages_of(sample: MemorySample, pid: int) -> int:

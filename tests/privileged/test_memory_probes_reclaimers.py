@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +37,6 @@ def probes() -> Iterator[MemoryProbes]:
     assert not bad, f"hooks not attached on this kernel: {bad}"
     yield p
     p.close()
-
-
-@pytest.fixture
-def kvdir() -> Iterator[Path]:
-    d = Path("/var/tmp") / f"kvwatch-reclaimers-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir(parents=True)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def moved(s0: MemorySample, s1: MemorySample) -> tuple[int, int, int]:

@@ -5,13 +5,11 @@ the application's own durations), a KV-tier file deleted (pages counted against 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,14 +40,6 @@ rescan_seconds = 1
 """
 
 HAVE_TMUX = shutil.which("tmux") is not None
-
-
-@pytest.fixture
-def kvdir() -> Iterator[Path]:
-    d = Path("/var/tmp") / f"kvwatch-top-{os.getpid()}-{time.monotonic_ns()}"  # a real disk, not tmpfs
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def config(kvdir: Path, port: int = 0) -> str:
