@@ -128,16 +128,21 @@ def stored_events(n: int, first: int = 0) -> list[list[dict[str, Any]]]:
 
 def through_marker(hub: KVEventHub, spec: StreamSpec, publish: Any) -> StreamStats:
     """Publish one marker batch (the removal of a block never stored: one batch, one removal,
-    nothing stored) and wait until the hub has counted it: every batch published before it has
-    then been counted, replays included."""
+    nothing stored) and wait until the hub has counted it and settled every batch it missed
+    (replayed or lost: the replay's answer may come after the live marker): every batch published
+    before the marker has then been counted, replays included."""
 
     def removed() -> int:
         gpu = stats_of(hub, spec).media.get("GPU")
         return gpu.removed if gpu is not None else 0
 
+    def settled() -> bool:
+        s = stats_of(hub, spec)
+        return s.replayed + s.lost == s.missed
+
     before = removed()
     publish([[we.removed([MARKER_HASH])]])
-    wait_until(lambda: removed() == before + 1, 30, "the marker batch")
+    wait_until(lambda: removed() == before + 1 and settled(), 30, "the marker batch and every missed batch settled")
     return stats_of(hub, spec)
 
 
