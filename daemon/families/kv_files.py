@@ -45,7 +45,8 @@ log = structlog.get_logger("kvwatch.kvtiers")
 DELETE_GRACE_SECONDS = 3.0
 HICACHE_DEFAULT_DIR = "/tmp/hicache"
 _HICACHE_FILE = re.compile(r"--hicache-storage-backend[=\s]+file\b")
-_LMCACHE_DISK_KEY = re.compile(r"^\s*local_disk\s*:\s*[\"']?([^\"'#\s]+)", re.MULTILINE)
+_LMCACHE_DISK_KEY = re.compile(r"^[ \t]*local_disk[ \t]*:[ \t]*([^#\n]*)", re.MULTILINE)
+_LMCACHE_OFF = ("", "none", "null", "false", "~")
 
 
 class InodeSink(Protocol):
@@ -90,16 +91,21 @@ class TierStats:
 
 
 def lmcache_dirs(env: dict[str, str], read_file: Callable[[str], str | None]) -> list[str]:
-    """LMCache local-disk directories from ``LMCACHE_LOCAL_DISK`` or its YAML config file."""
-    out: list[str] = []
+    """LMCache local-disk directories from ``LMCACHE_LOCAL_DISK`` or its YAML config file.
+
+    LMCache takes one path or several, comma-separated, each with or without ``file://``;
+    they are normalised (``/x/`` and ``/x`` name one tier)."""
     value = env.get("LMCACHE_LOCAL_DISK", "")
     if not value and env.get("LMCACHE_CONFIG_FILE"):
         text = read_file(env["LMCACHE_CONFIG_FILE"])
         if text:
             m = _LMCACHE_DISK_KEY.search(text)
             value = m.group(1) if m else ""
-    if value and value.lower() not in ("none", "null", "false"):
-        out.append(value.removeprefix("file://"))
+    out: list[str] = []
+    for part in value.strip().strip("\"'").split(","):
+        path = part.strip().strip("\"'").removeprefix("file://")
+        if path.lower() not in _LMCACHE_OFF and os.path.normpath(path) not in out:
+            out.append(os.path.normpath(path))
     return out
 
 

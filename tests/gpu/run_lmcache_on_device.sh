@@ -12,7 +12,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-step=${1:?part NN | install | smoke}
+step=${1:?part NN | install | smoke | start | squeeze}
 export LMCACHE_TRACK_USAGE=false  # no network there: LMCache's usage reporting would only time out
 
 case "$step" in
@@ -110,5 +110,19 @@ EOF
         ls -la /tmp/lmcache-disk | head -40 >"$out/lmcache_disk.txt"
         kill "$vpid"; wait "$vpid" 2>/dev/null
         grep -iE 'lmcache|c_ops|cuda_ops|compiled extension|Traceback|Error' "$out/lmcache_vllm.log" | head -60
+        ;;
+    start|squeeze)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+        mkdir -p /tmp/kvpkg/kvwatch
+        for d in daemon probes exporters; do ln -sfn "$PWD/$d" "/tmp/kvpkg/kvwatch/$d"; done
+        export PYTHONPATH=/tmp/kvpkg:/tmp/site:$PWD PYTHONUNBUFFERED=1 VVAL_WORK=/tmp/lmval
+        [ -d /tmp/vsite/lmcache ] && [ -d /tmp/tiny ] || { echo "no LMCache in /tmp/vsite or no /tmp/tiny: run calls 1-3 first"; exit 1; }
+        if [ "$step" = start ]; then
+            nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r
+            df -hT / /tmp /var/tmp 2>&1; cat /proc/swaps; ls /sys/fs/cgroup | head -30
+            .gpu-bundle/with-bcc python3 -c 'import bcc, kvwatch.probes.memory; print("bcc", bcc.__version__)' || exit 1
+        fi
+        .gpu-bundle/with-bcc python3 tests/gpu/validate_lmcache.py --step "$step" --out "$out" \
+            --steady "${STEADY:-300}" ${LMVAL_ARGS:-} 2>&1 | tee "/tmp/validate_lmcache_$step.log" | tail -120
         ;;
 esac

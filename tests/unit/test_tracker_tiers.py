@@ -230,7 +230,12 @@ def test_tier_map_full_is_counted(tmp_path: Path) -> None:
 
 
 def test_engine_environment_dirs(tmp_path: Path) -> None:
-    assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "file:///mnt/kv/"}, lambda p: None) == ["/mnt/kv/"]
+    assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "file:///mnt/kv/"}, lambda p: None) == ["/mnt/kv"]
+    both = {"LMCACHE_LOCAL_DISK": "file:///mnt/a/, /mnt/b,file:///mnt/a"}
+    assert lmcache_dirs(both, lambda p: None) == ["/mnt/a", "/mnt/b"]
+    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/l.yaml"}, lambda p: "local_disk: null\n") == []
+    two = "local_disk: 'file:///nvme0/kv/,file:///nvme1/kv/'   # two disks\nmax_local_disk_size: 5\n"
+    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/l.yaml"}, lambda p: two) == ["/nvme0/kv", "/nvme1/kv"]
     assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "None"}, lambda p: None) == []
     yaml = 'chunk_size: 256\nlocal_disk: "file:///data/lmcache"  # disk tier\nmax_local_disk_size: 20\n'
     assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/etc/l.yaml"}, lambda p: yaml) == ["/data/lmcache"]
