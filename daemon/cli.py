@@ -54,7 +54,8 @@ RECORD_EPILOG = """\
 examples:
   sudo kvwatch record --duration 30 --output /tmp/kv.json   # then open it in ui.perfetto.dev
 the trace has one track group per process (CUDA allocations, KV transfers, reclaim stalls,
-KV blocks, alerts) and a node track (KV-tier page cache); counters are counts per tick.
+KV blocks, KV lost, KV tenants, engine latency, alerts) and a node track (KV-tier page cache);
+counters are counts per tick; engine latency: the mean ms of each tick's new observations.
 """
 
 

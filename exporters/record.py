@@ -9,14 +9,21 @@ One process track per watched process (and one for the node), with lanes:
 * ``KV blocks`` — blocks stored and removed per medium (engine KV event streams);
 * ``KV tenants`` — per tenant of the engine's GPU pool: blocks stored, evicted and recomputed
   (regretted), where the KV event stream names tenants (cache salts, LoRA adapters);
+* ``KV lost`` — the loss ledger per tier and cause, MiB (blocks while the block size is unknown);
+* ``engine latency`` — the engine's own latency histograms from its /metrics, per tick: the
+  mean in milliseconds of the observations new in the tick (``ttft ms``, ``e2e ms``,
+  ``lmcache retrieve ms``, ``lmcache store ms``; no sample in a tick without any) and their
+  number (``ttft count``, ...), beside the alerts: a reclaimed KV tier shows as slower
+  retrieves and first tokens. The engine is scraped every ``engines.scrape_interval_seconds``,
+  so a tick holds what the scrapes it saw counted (ticks between scrapes have none);
 * ``alerts`` — one slice per alert, onset to clear (or to the end of the recording); a
   KVTenantThrash slice is named for its victim and aggressor.
 
 Counters are counts per tick (the agent's tick, in ``otherData.tick_seconds``), placed at
 the start of the tick they describe, so a counter track summed over the trace is the
-total for the recording. Memory is bounded: past ``max_events`` new events are dropped,
-counted per kind, and the trace says so (an instant event on the node track and
-``otherData.dropped``), as does the command.
+total for the recording (the engine latency lane's means excepted). Memory is bounded:
+past ``max_events`` new events are dropped, counted per kind, and the trace says so (an
+instant event on the node track and ``otherData.dropped``), as does the command.
 
 Runs its own probes (root): timestamps of transfer slices come straight from the kernel's
 monotonic clock, which the daemon's HTTP view cannot carry.
@@ -41,7 +48,10 @@ from kvwatch.exporters.record_lanes import (
     LANE_NAMES,
     Lane,
     cuda_totals,
+    deltas,
     kv_totals,
+    latency_args,
+    latency_totals,
     lost_totals,
     reclaim_totals,
     tenant_totals,
@@ -118,15 +128,26 @@ class TraceRecorder:
                 meta=True,
             )
 
-    def _counter(self, kind: str, *, pid: int, tid: int, name: str, now_us: float, totals: Mapping[str, float]) -> None:
-        """Emit what each total grew by since the last sample, at the last sample's time."""
+    def _counter(
+        self,
+        kind: str,
+        *,
+        pid: int,
+        tid: int,
+        name: str,
+        now_us: float,
+        totals: Mapping[str, float],
+        derive: Callable[[Mapping[str, float], Mapping[str, float]], dict[str, float]] = deltas,
+    ) -> None:
+        """Emit what the totals came to over the tick (by default what each grew by), at the
+        last sample's time."""
         key = (pid, name)
         prev = self._last.get(key)
         self._last[key] = (now_us, dict(totals))
         if prev is None:
             return  # the first sample is the baseline (counts before the recording are not its)
         at, before = prev
-        args = {k: round(v - before.get(k, 0.0), 3) for k, v in totals.items()}
+        args = derive(before, totals)
         self._add(kind, {"ph": "C", "name": name, "pid": pid, "tid": tid, "ts": at, "args": args})
 
     # --- inputs -----------------------------------------------------------------------------
@@ -177,6 +198,17 @@ class TraceRecorder:
         if p.kv_losses:
             ledger = lost_totals(p)
             self._counter("kv_lost", pid=p.pid, tid=Lane.KV_LOST, name="KV lost", now_us=now_us, totals=ledger)
+        latency = latency_totals(p)
+        if latency:
+            self._counter(
+                "engine_latency",
+                pid=p.pid,
+                tid=Lane.ENGINE_LATENCY,
+                name="engine latency",
+                now_us=now_us,
+                totals=latency,
+                derive=latency_args,
+            )
 
     def _regret_burst(self, p: ProcessView, now_us: float) -> None:
         """An instant where an engine begins storing blocks it removed (a tick with regrets after

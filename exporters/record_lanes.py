@@ -3,6 +3,9 @@ draws from a process's view (``record.py`` turns them into counts per tick)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from kvwatch.daemon.engines.views import LATENCY_NAMES
 from kvwatch.daemon.snapshot import ProcessView
 from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 
@@ -18,6 +21,7 @@ class Lane:
     ALERTS = 6
     KV_LOST = 7
     KV_TENANTS = 8
+    ENGINE_LATENCY = 9
 
 
 LANE_NAMES = {
@@ -29,7 +33,14 @@ LANE_NAMES = {
     Lane.ALERTS: "alerts",
     Lane.KV_LOST: "KV lost by tier and cause",
     Lane.KV_TENANTS: "KV tenants",
+    Lane.ENGINE_LATENCY: "engine latency",
 }
+LATENCY_LABELS = {n: n.replace("_", " ") for n in LATENCY_NAMES}  # ttft, e2e, lmcache retrieve, lmcache store
+
+
+def deltas(before: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:
+    """A counter lane's args: what each total grew by over the tick."""
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in now.items()}
 
 
 def cuda_totals(p: ProcessView) -> dict[str, float]:
@@ -86,3 +97,34 @@ def reclaim_totals(p: ProcessView) -> dict[str, float]:
         "memcg ms": 1000.0 * m.memcg_reclaim_seconds,
         "pages freed": m.page_free_pages,
     }
+
+
+def latency_totals(p: ProcessView) -> dict[str, float]:
+    """The engine's latency histograms, cumulative: ``<name> sum`` (seconds) and ``<name> count``."""
+    if p.engine is None:
+        return {}
+    out: dict[str, float] = {}
+    for r in p.engine.latencies:
+        out[f"{r.name} sum"] = r.sum_seconds
+        out[f"{r.name} count"] = r.count
+    return out
+
+
+def latency_args(before: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:
+    """Per histogram, ``<label> count``: observations over the tick, and ``<label> ms``: their
+    mean in milliseconds (Δsum / Δcount), only where there were some: a tick without requests
+    has no mean. A count that went back is an engine restarted: its counts since then are the
+    tick's, as Prometheus' rate() reads a reset."""
+    out: dict[str, float] = {}
+    for name, label in LATENCY_LABELS.items():
+        count, total = now.get(f"{name} count"), now.get(f"{name} sum")
+        if count is None or total is None:
+            continue
+        count0, total0 = before.get(f"{name} count", 0.0), before.get(f"{name} sum", 0.0)
+        if count < count0:
+            count0, total0 = 0.0, 0.0
+        n = count - count0
+        out[f"{label} count"] = round(n, 3)
+        if n > 0:
+            out[f"{label} ms"] = round(1000.0 * (total - total0) / n, 3)
+    return out

@@ -8,6 +8,7 @@ the same thing, the first one present in each list below is used, never both.
 Re-exported on kvwatch's /metrics, as the last scrape read them: the numbers its alerts
 join with (KV usage, prefix-cache queries and hits per medium, preemptions, sleep, the
 engine's own offload byte counts beside the copy probes'); nothing else of the engine's.
+Its latency histograms (``engines/latency.py``) travel in the snapshot for ``kvwatch record``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
+from kvwatch.daemon.engines import latency
 from kvwatch.daemon.engines.tiers import read_tiers, wanted
 from kvwatch.daemon.engines.views import EngineSample, ScrapeTarget, TargetState
 from prometheus_client.parser import text_string_to_metric_families
@@ -100,15 +102,16 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
     sums: dict[str, float] = {}
     maxes: dict[str, float] = {}
     page = _Page()
-    tier_samples: list[tuple[str, dict[str, str], float]] = []  # every rank: engines/tiers.py decides
+    # every rank and label set: engines/tiers.py and engines/latency.py decide (each skips the other's)
+    picked: list[tuple[str, dict[str, str], float]] = []
     families = 0
     for fam in text_string_to_metric_families(text):
         families += 1
         for s in fam.samples:
             if math.isnan(s.value):
                 continue
-            if wanted(s.name):
-                tier_samples.append((s.name, s.labels, s.value))
+            if wanted(s.name) or latency.wanted(s.name):
+                picked.append((s.name, s.labels, s.value))
             if not _keep(s.labels) or page.take(s.name, s.labels, s.value):
                 continue
             sums[s.name] = sums.get(s.name, 0.0) + s.value
@@ -146,7 +149,8 @@ def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> E
         offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
         generation_tokens=first(GENERATION_TOKENS, sums),
         pool_blocks=page.pool,
-        tiers=read_tiers(tier_samples),
+        tiers=read_tiers(picked),
+        latencies=latency.read_latencies(picked),
         families=families,
     )
 

@@ -349,6 +349,7 @@ class EngineTaps:
             scrape_age=self.clock() - sample.at if sample is not None else None,
             hit_ratio=None,
             tiers=sample.tiers if sample is not None else (),
+            latencies=sample.latencies if sample is not None else (),
         )
 
     def lost(self) -> dict[str, int]:

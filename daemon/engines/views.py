@@ -163,6 +163,19 @@ TIER_COUNTERS = frozenset({"stored", "loaded", "evicted", "queried", "hit"})
 
 
 @dataclass(frozen=True, slots=True)
+class LatencyReading:
+    """One of an engine's latency histograms, cumulative, as the engine counts it
+    (``engines/latency.py``): a mean over any span is Δsum / Δcount."""
+
+    name: str  # one of LATENCY_NAMES
+    sum_seconds: float
+    count: float
+
+
+LATENCY_NAMES = ("ttft", "e2e", "lmcache_retrieve", "lmcache_store")  # time to first token, end to end, LMCache
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSample:
     """One scrape. Counters are cumulative as the engine reports them; None: not exported."""
 
@@ -187,6 +200,7 @@ class EngineSample:
     generation_tokens: float | None = None  # tokens generated (decoded)
     pool_blocks: float | None = None  # GPU KV blocks the engine allocated (vLLM cache_config_info, summed over DP)
     tiers: tuple[TierReading, ...] = ()  # the engine's own KV tier counters, in one schema
+    latencies: tuple[LatencyReading, ...] = ()  # the engine's latency histograms it exports
     families: int = 0
 
 
@@ -248,6 +262,7 @@ class EngineView:
     block_bytes: int | None = None  # bytes of one KV block, where known
     block_bytes_source: str = ""  # config / offload
     tiers: tuple[TierReading, ...] = ()  # the engine's KV tier counters, last scrape
+    latencies: tuple[LatencyReading, ...] = ()  # the engine's latency histograms, last scrape
     tier_hit_ratio: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (source, tier), same window
 
     @property

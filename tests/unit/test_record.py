@@ -9,6 +9,7 @@ from pathlib import Path
 from kvwatch.daemon.engines.views import (
     EnginePlan,
     EngineView,
+    LatencyReading,
     LossTotal,
     MediumTotals,
     StreamSpec,
@@ -74,17 +75,17 @@ def test_alert_still_active_at_the_end() -> None:
 
 
 def test_bound_drops_and_says_so(tmp_path: Path) -> None:
-    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h", max_events=40)
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h", max_events=50)
     rec.on_snapshot(snap(5.0, 0, 0))
     kept_before = len(rec.events)
     rec.on_transfers([TransferDone(7, "nixl", "write", 1, T0_NS + i, T0_NS + i + 5, 0) for i in range(100)])
     trace = rec.finish(6.0, 1.0)
     assert problems(trace) == []
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert 0 < len(slices) == 40 - kept_before
+    assert 0 < len(slices) == 50 - kept_before
     assert trace["otherData"]["dropped"] == {"transfers": 100 - len(slices)}
     (note,) = [e for e in trace["traceEvents"] if e["ph"] == "i"]
-    assert note["name"] == f"kvwatch dropped {100 - len(slices)} events (limit 40)"
+    assert note["name"] == f"kvwatch dropped {100 - len(slices)} events (limit 50)"
     out = tmp_path / "t.json"
     write_trace(trace, out)
     assert json.loads(out.read_text()) == trace and not (tmp_path / "t.json.tmp").exists()
@@ -179,3 +180,44 @@ def test_tenant_lane_and_the_noisy_neighbour_slice() -> None:
     assert all("stored tenant-b CPU" not in e["args"] for e in lane)
     (slice_,) = [e for e in trace["traceEvents"] if e.get("cat") == "alert"]
     assert slice_["name"] == "KVTenantThrash tenant-b -> tenant-a"
+
+
+def test_engine_latency_lane_means_per_tick() -> None:
+    """The engine's latency histograms per tick: the mean in ms of the tick's new observations and
+    their count; no mean in a tick without any; a histogram the engine does not export is absent."""
+
+    def with_latency(t: float, ttft: tuple[float, float], retrieve: tuple[float, float]) -> Snapshot:
+        s = snap(t, 100, 0)
+        readings = (LatencyReading("ttft", *ttft), LatencyReading("lmcache_retrieve", *retrieve))
+        view = EngineView(EnginePlan("7@1", 7), (), None, None, None, latencies=readings)
+        return replace(s, processes=(replace(s.processes[0], engine=view),))
+
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h")
+    ticks = (
+        (5.0, (1.5, 12.0), (0.1, 16.0)),  # the baseline
+        (6.0, (1.9, 16.0), (0.1, 16.0)),  # 4 first tokens in 0.4 s; no retrieve
+        (7.0, (1.9, 16.0), (0.7, 20.0)),  # no request; 4 retrieves in 0.6 s (a reclaimed tier)
+        (8.0, (0.3, 2.0), (0.7, 20.0)),  # the engine restarted: its 2 since are the tick's
+    )
+    for t, ttft, retrieve in ticks:
+        rec.on_snapshot(with_latency(t, ttft, retrieve))
+    trace = rec.finish(8.5, 1.0)
+    assert problems(trace) == []
+    lane = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "engine latency"]
+    assert {e["tid"] for e in lane} == {Lane.ENGINE_LATENCY} and LANE_NAMES[Lane.ENGINE_LATENCY] == "engine latency"
+    assert [e["ts"] for e in lane] == [0.0, 1e6, 2e6]
+    assert [e["args"] for e in lane] == [
+        {"ttft count": 4, "ttft ms": 100.0, "lmcache retrieve count": 0},
+        {"ttft count": 0, "lmcache retrieve count": 4, "lmcache retrieve ms": 150.0},
+        {"ttft count": 2, "ttft ms": 150.0, "lmcache retrieve count": 0},
+    ]
+
+
+def test_no_engine_latency_lane_without_histograms() -> None:
+    rec = TraceRecorder(t0_ns=T0_NS, t0_wall=T0_WALL, host="h")
+    for t in (5.0, 6.0):
+        s = snap(t, 100, 0)
+        view = EngineView(EnginePlan("7@1", 7), (), None, None, None)
+        rec.on_snapshot(replace(s, processes=(replace(s.processes[0], engine=view),)))
+    trace = rec.finish(6.5, 1.0)
+    assert not [e for e in trace["traceEvents"] if e["ph"] == "C" and e["tid"] == Lane.ENGINE_LATENCY]
