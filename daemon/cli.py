@@ -56,6 +56,8 @@ examples:
 the trace has one track group per process (CUDA allocations, KV transfers, reclaim stalls,
 KV blocks, KV lost, KV tenants, engine latency, alerts) and a node track (KV-tier page cache);
 counters are counts per tick; engine latency: the mean ms of each tick's new observations.
+alerts come from the running daemon (--url, default from daemon.listen) when it answers: its
+detectors are warm; --local, or no daemon, takes the recorder's own (silent through warm-up).
 """
 
 
@@ -137,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--duration", type=_positive, required=True, metavar="S", help="seconds to record")
     rec.add_argument("--output", "-o", type=Path, required=True, metavar="FILE", help="trace file to write (.json)")
     rec.add_argument("--max-events", type=int, default=1_000_000, metavar="N", help="bound on events kept (1000000)")
+    rec.add_argument("--url", help="the daemon whose alerts to record (default: from the config's daemon.listen)")
+    rec.add_argument("--local", action="store_true", help="alerts from the recorder's own detectors, not a daemon's")
 
     demo = _command(sub, "demo", "reproduce each failure mode with the daemon watching")
     demo.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0")
@@ -164,11 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_record(config: Config, args: argparse.Namespace) -> int:
     logs.configure(config.daemon.log_format, "warning")
     from kvwatch.daemon.wiring import build_agent  # noqa: PLC0415 - bcc only when needed
-    from kvwatch.exporters.record import run_record  # noqa: PLC0415 - subcommand on demand
+    from kvwatch.exporters.record_cmd import run_record  # noqa: PLC0415 - subcommand on demand
+    from kvwatch.exporters.record_daemon import DaemonAlerts  # noqa: PLC0415
+    from kvwatch.exporters.top import DaemonSource, daemon_url  # noqa: PLC0415
 
-    return run_record(
-        lambda: build_agent(config), config.daemon.tick_seconds, args.duration, args.output, args.max_events
-    )
+    daemon = None
+    if not args.local:
+        cert = str(config.daemon.tls_cert) if config.daemon.tls_cert and not args.url else None
+        daemon = DaemonAlerts(DaemonSource(args.url or daemon_url(config), timeout=0.5, cafile=cert))
+    tick = config.daemon.tick_seconds
+    return run_record(lambda: build_agent(config), tick, args.duration, args.output, args.max_events, daemon=daemon)
 
 
 def cmd_doctor(config: Config, args: argparse.Namespace) -> int:

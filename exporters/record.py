@@ -26,24 +26,23 @@ past ``max_events`` new events are dropped, counted per kind, and the trace says
 instant event on the node track and ``otherData.dropped``), as does the command.
 
 Runs its own probes (root): timestamps of transfer slices come straight from the kernel's
-monotonic clock, which the daemon's HTTP view cannot carry.
+monotonic clock, which the daemon's HTTP view cannot carry. Alerts come from the running
+daemon when one answers (``record_daemon.py``: its detectors are warm, the recorder's are not),
+else from the recorder's own detectors; ``otherData.alerts_from`` says which.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvwatch.daemon.snapshot import ProcessView, Snapshot
+from kvwatch.daemon.snapshot import Alert, ProcessView, Snapshot
 from kvwatch.exporters.record_lanes import (
     LANE_NAMES,
     Lane,
@@ -60,6 +59,7 @@ from kvwatch.probes.records import TransferDone
 
 if TYPE_CHECKING:
     from kvwatch.exporters.loop import Loop
+    from kvwatch.exporters.record_daemon import DaemonAlerts
 
 NODE_PID = 0
 MIB = 1024 * 1024
@@ -92,6 +92,7 @@ class TraceRecorder:
     _regret: dict[int, tuple[float, dict[str, int], bool]] = field(default_factory=dict)
     lost: dict[str, int] = field(default_factory=dict)
     ended_at: float | None = None  # monotonic seconds of the last sample
+    alert_source: str = "own detectors"
 
     def us(self, monotonic_s: float) -> float:
         return max(0.0, (monotonic_s * 1e9 - self.t0_ns) / 1000.0)
@@ -151,7 +152,8 @@ class TraceRecorder:
         self._add(kind, {"ph": "C", "name": name, "pid": pid, "tid": tid, "ts": at, "args": args})
 
     # --- inputs -----------------------------------------------------------------------------
-    def on_snapshot(self, snap: Snapshot) -> None:
+    def on_snapshot(self, snap: Snapshot, alerts: Sequence[Alert] | None = None) -> None:
+        """``alerts``: the running daemon's, when it answers (``record_daemon.py``); else the snapshot's."""
         now_us = self.us(snap.monotonic)
         self._name_process(NODE_PID, f"node {self.host}: KV tiers, node alerts")
         for p in snap.processes:
@@ -175,7 +177,7 @@ class TraceRecorder:
                     "refaulted": t.refault_pages,
                 },
             )
-        self._track_alerts(snap, now_us)
+        self._track_alerts(snap.alerts if alerts is None else alerts, now_us)
         lost = {k: int(v) for k, v in snap.lost.items()}
         if self._lost0 is None:
             self._lost0 = lost
@@ -222,9 +224,9 @@ class TraceRecorder:
             event = {"ph": "i", "s": "t", "name": "KV eviction regret", "pid": p.pid, "tid": Lane.KV_BLOCKS}
             self._add("kv_regret", {**event, "ts": prev[0], "args": args})
 
-    def _track_alerts(self, snap: Snapshot, now_us: float) -> None:
+    def _track_alerts(self, alerts: Sequence[Alert], now_us: float) -> None:
         active = set()
-        for a in snap.alerts:
+        for a in alerts:
             key = (a.alert, a.subject_key)
             active.add(key)
             if key not in self._alerts:
@@ -304,6 +306,7 @@ class TraceRecorder:
             "displayTimeUnit": "ms",
             "otherData": {
                 "tool": "kvwatch record",
+                "alerts_from": self.alert_source,
                 "host": self.host,
                 "start_wall_time": self.t0_wall,
                 "start_monotonic_ns": self.t0_ns,
@@ -332,14 +335,17 @@ def record(
     max_events: int = 1_000_000,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.monotonic,
+    daemon: DaemonAlerts | None = None,
 ) -> TraceRecorder:
     """Run the loop for ``duration`` seconds, recording every tick and every completed
-    transfer (the loop started)."""
+    transfer (the loop started); alerts from ``daemon`` when it answers."""
     stop = stop or threading.Event()
     rec = TraceRecorder(t0_ns=time.monotonic_ns(), t0_wall=time.time(), max_events=max_events)
+    if daemon is not None:
+        rec.alert_source = daemon.description
 
     def on_tick(snap: Snapshot) -> None:
-        rec.on_snapshot(snap)
+        rec.on_snapshot(snap, daemon.poll() if daemon is not None else None)
         if clock() * 1e9 - rec.t0_ns >= duration * 1e9:
             stop.set()
 
@@ -352,47 +358,3 @@ def record(
         unsubscribe()
         rec.ended_at = clock()
     return rec
-
-
-def run_record(build: Callable[[], Loop], tick_seconds: float, duration: float, output: Path, max_events: int) -> int:
-    """``kvwatch record``: the loop that ``build`` makes (kvwatch's own probes), recorded."""
-    if os.geteuid() != 0:
-        print("kvwatch record: needs root (it loads its own eBPF probes)", file=sys.stderr)
-        return 1
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.with_name(output.name + ".tmp").touch()
-    except OSError as err:
-        print(f"kvwatch record: cannot write {output}: {err}", file=sys.stderr)
-        return 1
-    stop = threading.Event()
-
-    def _stop(signum: int, _frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        agent = build()
-        agent.start()
-    except Exception as err:
-        print(f"kvwatch record: cannot start probes: {err}", file=sys.stderr)
-        return 1
-    print(f"kvwatch record: recording {duration:g} s to {output} (ctrl-c ends early)", file=sys.stderr)
-    try:
-        rec = record(agent, duration, max_events=max_events, stop=stop)
-    finally:
-        agent.close()
-    trace = rec.finish(rec.ended_at or time.monotonic(), tick_seconds)
-    write_trace(trace, output)
-    kinds = ", ".join(f"{k} {v}" for k, v in sorted(rec.counts.items()) if k != "metadata") or "no events"
-    print(f"kvwatch record: wrote {output}: {kinds}", file=sys.stderr)
-    if rec.dropped:
-        print(
-            f"kvwatch record: NOTE {sum(rec.dropped.values())} events dropped at the limit of {max_events} "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(rec.dropped.items()))}); raise --max-events",
-            file=sys.stderr,
-        )
-    if rec.lost:
-        print(f"kvwatch record: NOTE the kernel side lost events: {rec.lost}", file=sys.stderr)
-    return 0

@@ -73,6 +73,8 @@ class TopAlert(msgspec.Struct, frozen=True, kw_only=True):
     pid: str
     summary: str
     started_at: float
+    subject: str = ""  # the alert's subject key: one alert per (alert, subject)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)  # tier, tenant, aggressor, ...
 
 
 class TopHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,6 +206,8 @@ def build_frame(snap: Snapshot, host: str | None = None) -> TopFrame:
             pid=a.labels.get("pid", ""),
             summary=a.summary,
             started_at=a.started_at,
+            subject=a.subject_key,
+            labels=dict(a.labels),
         )
         for a in sorted(snap.alerts, key=lambda a: a.started_at)
     )
