@@ -111,13 +111,13 @@ EOF
         kill "$vpid"; wait "$vpid" 2>/dev/null
         grep -iE 'lmcache|c_ops|cuda_ops|compiled extension|Traceback|Error' "$out/lmcache_vllm.log" | head -60
         ;;
-    start|squeeze)
+    start|squeeze|all)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
         mkdir -p /tmp/kvpkg/kvwatch
         for d in daemon probes exporters; do ln -sfn "$PWD/$d" "/tmp/kvpkg/kvwatch/$d"; done
         export PYTHONPATH=/tmp/kvpkg:/tmp/site:$PWD PYTHONUNBUFFERED=1 VVAL_WORK=/tmp/lmval
         [ -d /tmp/vsite/lmcache ] && [ -d /tmp/tiny ] || { echo "no LMCache in /tmp/vsite or no /tmp/tiny: run calls 1-3 first"; exit 1; }
-        if [ "$step" = start ]; then
+        if [ "$step" != squeeze ]; then
             nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r
             df -hT / /tmp /var/tmp 2>&1; cat /proc/swaps; ls /sys/fs/cgroup | head -30
             .gpu-bundle/with-bcc python3 -c 'import bcc, kvwatch.probes.memory; print("bcc", bcc.__version__)' || exit 1

@@ -70,7 +70,8 @@ KEEP = (
     "kvwatch_direct_reclaim_",
     "kvwatch_memory_pressure",
     "kvwatch_watched_processes",
-    "process_cpu_seconds_total",
+    "kvwatch_process_",
+    "kvwatch_probe_run",
 )
 VKEEP = ("lmcache:", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
          "vllm:prefix_cache", "vllm:num_requests")  # fmt: skip
@@ -265,7 +266,7 @@ class LMRun:
                 shutil.copyfileobj(src, dst)
 
 
-def step_start(r: LMRun) -> None:
+def step_start(r: LMRun, keep_polling: bool = False) -> None:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     r.st, r.res = State.load(), {"phases": {}}
@@ -277,17 +278,19 @@ def step_start(r: LMRun) -> None:
         r.phase("steady", HOT, r.args.steady)
         r.stop_load()
     finally:
-        r.stop_pollers()
+        if not keep_polling:
+            r.stop_pollers()
         r.res["files_after_steady"] = lr.residency(r.disk)
         r.judge()
         r.save()
 
 
-def step_squeeze(r: LMRun) -> None:
+def step_squeeze(r: LMRun, polling: bool = False) -> None:
     rec = [sys.executable, "-m", "kvwatch.daemon", "record", "--duration", str(int(r.args.record)),
-           "--output", str(WORK / "trace.json")]  # fmt: skip
+           "--output", str(WORK / "trace.json"), "--url", kvwatch_url("")]  # fmt: skip
     r.st.pids["record"] = start_session(rec, WORK / "record.log", cwd=WORK)
-    r.start_pollers("_b")
+    if not polling:
+        r.start_pollers("_b")
     try:
         r.phase("pre", HOT, r.args.pre)
         r.phase("squeeze", HOT, r.args.squeeze, during=r.squeeze)
@@ -317,7 +320,7 @@ def step_squeeze(r: LMRun) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--step", choices=["start", "squeeze"], required=True)
+    ap.add_argument("--step", choices=["start", "squeeze", "all"], required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--vllm-site", default="/tmp/vsite")
     ap.add_argument("--model", default="/tmp/tiny")
@@ -338,7 +341,11 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     r = LMRun(args)
-    (step_start if args.step == "start" else step_squeeze)(r)
+    if args.step == "all":  # one call: shorter phases (--steady), one set of recorders
+        step_start(r, keep_polling=True)
+        step_squeeze(r, polling=True)
+    else:
+        (step_start if args.step == "start" else step_squeeze)(r)
     if args.step == "start":
         print(json.dumps({"phases": r.res.get("phases"), "marks": len(r.st.marks), "notes": r.st.notes,
                           "left_seconds": round(r.left())}, default=str), flush=True)  # fmt: skip
