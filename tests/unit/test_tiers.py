@@ -65,6 +65,28 @@ def test_lmcache_in_process() -> None:
     }  # remote_cache_usage is declared and never set in 0.5.6: not read
 
 
+def test_lmcache_0_5_3_captured_on_the_h200() -> None:
+    """The real page at the end of the LMCache run (tests/gpu/results/h200-2026-12-02-issue25-lmcache):
+    the numbers its closure found equal to LMCache's own, and its latency histograms."""
+    sample = parse_exposition((FIXTURES / "lmcache-0.5.3-h200.txt").read_text(), at=0.0)
+    assert {(r.tier, r.quantity, r.unit): r.value for r in sample.tiers} == {
+        ("remote", "stored", "bytes"): 0.0,
+        ("remote", "loaded", "bytes"): 0.0,
+        ("cpu", "evicted", "chunks"): 99_828,
+        ("cpu", "used", "bytes"): 128 * 2**20,  # the 128 MiB pinned pool, full
+        ("disk", "used", "bytes"): 384 * 8 * 2**20,  # 384 chunk files of 8 MiB at its 3 GiB limit
+        ("all", "queried", "tokens"): 22_240_256,
+        ("all", "hit", "tokens"): 22_240_256,
+    }
+    assert {r.source for r in sample.tiers} == {"lmcache"}
+    got = {r.name: (r.sum_seconds, r.count) for r in sample.latencies}
+    assert got == {
+        "ttft": (2906.3264977931976, 32_000),
+        "lmcache_retrieve": (125.89446797699773, 21_963),
+        "lmcache_store": (20.674232550997402, 3_244),
+    }  # no e2e: the run kept only TTFT of vLLM's histograms
+
+
 def test_lmcache_multiprocess_server() -> None:
     v = TIER_VALUES["lmcache-mp-0.5.6"]
     got = readings("lmcache-mp-0.5.6")
