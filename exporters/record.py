@@ -12,7 +12,8 @@ One process track per watched process (and one for the node), with lanes:
 * ``KV lost`` — the loss ledger per tier and cause, MiB (blocks while the block size is unknown);
 * ``engine latency`` — the engine's own latency histograms from its /metrics, per tick: the
   mean in milliseconds of the observations new in the tick (``ttft ms``, ``e2e ms``,
-  ``lmcache retrieve ms``, ``lmcache store ms``; no sample in a tick without any) and their
+  ``lmcache retrieve ms``, ``lmcache store ms``, vLLM's NIXL ``nixl xfer ms`` and ``nixl post ms``;
+  no sample in a tick without any) and their
   number (``ttft count``, ...), beside the alerts: a reclaimed KV tier shows as slower
   retrieves and first tokens. The engine is scraped every ``engines.scrape_interval_seconds``,
   so a tick holds what the scrapes it saw counted (ticks between scrapes have none);

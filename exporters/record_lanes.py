@@ -35,7 +35,7 @@ LANE_NAMES = {
     Lane.KV_TENANTS: "KV tenants",
     Lane.ENGINE_LATENCY: "engine latency",
 }
-LATENCY_LABELS = {n: n.replace("_", " ") for n in LATENCY_NAMES}  # ttft, e2e, lmcache retrieve, lmcache store
+LATENCY_LABELS = {n: n.replace("_", " ") for n in LATENCY_NAMES}  # ttft, e2e, lmcache retrieve, nixl xfer, ...
 
 
 def deltas(before: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:

@@ -5,8 +5,10 @@ data-parallel engine, LMCache worker), so a mean over any span is Δsum / Δcoun
 ``kvwatch record`` draws them beside its alerts (the ``engine latency`` lane): when reclaim
 evicts a KV tier, the engine's time to first token and LMCache's retrieve time are where
 the loss shows. Names as vLLM (its real 0.26.0 page: tests/fixtures/engine_metrics/vllm-0.26.0.txt),
-SGLang (``sglang/srt/observability/metrics_collector.py``) and LMCache in process
-(``lmcache/observability.py``, exported on vLLM's /metrics) declare them; all in seconds.
+SGLang (``sglang/srt/observability/metrics_collector.py``), LMCache in process
+(``lmcache/observability.py``, exported on vLLM's /metrics) and vLLM's NixlConnector
+(``vllm/distributed/kv_transfer/kv_connector/v1/nixl``: observed on the decode side, one per
+KV transfer, beside kvwatch's own transfer slices) declare them; all in seconds.
 What an engine does not export is absent, never zero.
 """
 
@@ -31,6 +33,8 @@ RULES = (
     Rule("e2e", "sglang:e2e_request_latency_seconds"),
     Rule("lmcache_retrieve", "lmcache:time_to_retrieve"),
     Rule("lmcache_store", "lmcache:time_to_store"),
+    Rule("nixl_xfer", "vllm:nixl_xfer_time_seconds"),
+    Rule("nixl_post", "vllm:nixl_post_time_seconds"),
 )
 _SUM = {f"{r.histogram}_sum": r for r in RULES}
 _COUNT = {f"{r.histogram}_count": r for r in RULES}

@@ -172,7 +172,9 @@ class LatencyReading:
     count: float
 
 
-LATENCY_NAMES = ("ttft", "e2e", "lmcache_retrieve", "lmcache_store")  # time to first token, end to end, LMCache
+# time to first token, end to end, LMCache's retrieve and store, vLLM's NIXL transfers (post to done, and
+# the post call itself: NixlConnector's decode side observes one per KV transfer it pulls)
+LATENCY_NAMES = ("ttft", "e2e", "lmcache_retrieve", "lmcache_store", "nixl_xfer", "nixl_post")
 
 
 @dataclass(frozen=True, slots=True)

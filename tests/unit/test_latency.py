@@ -80,6 +80,23 @@ def test_summed_over_engines_and_workers() -> None:
     assert all(isinstance(r, LatencyReading) for r in s.latencies)
 
 
+NIXL_DECODE = """\
+# vLLM 0.26.0's NixlConnector metrics on the decode instance (names, labels and units as
+# vllm/distributed/kv_transfer/kv_connector/v1/nixl declares them), one observation per KV pull
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="tiny"} 0.042
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny"} 7.0
+vllm:nixl_post_time_seconds_sum{engine="0",model_name="tiny"} 0.0021
+vllm:nixl_post_time_seconds_count{engine="0",model_name="tiny"} 7.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="tiny"} 2.3121664e+08
+vllm:nixl_bytes_transferred_count{engine="0",model_name="tiny"} 7.0
+"""
+
+
+def test_vllm_nixl_transfer_times() -> None:
+    """The decode side's NIXL transfer and post times; bytes are not a latency."""
+    assert latencies(NIXL_DECODE) == {"nixl_xfer": (0.042, 7.0), "nixl_post": (0.0021, 7.0)}
+
+
 def test_sglang() -> None:
     assert latencies(SGLANG) == {"ttft": (2.0, 5.0), "e2e": (9.0, 5.0)}
 
