@@ -17,16 +17,15 @@ import contextlib
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, resident_total
 
-from tests.support.daemon import DaemonProcess, daemon, free_port, wait_until
+from tests.support.daemon import DaemonProcess, daemon, wait_until
 from tests.support.kernel import Child
+from tests.support.vllm_replay import Pages, serve
 
 PAGE = 4096
 CHUNK_MIB = 8  # LMCache's chunk of 256 tokens of the tiny model: 8 MiB, as on the H200
@@ -53,20 +52,9 @@ floor_bytes_per_second = 33554432
 
 
 @contextlib.contextmanager
-def metrics_page(text: bytes) -> Iterator[int]:
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+def metrics_page(text: str) -> Iterator[int]:
+    """The page LMCache served, at every scrape (the replay's server, one page)."""
+    srv = serve(Pages([[0.0, text]]))
     try:
         yield srv.server_port
     finally:
@@ -120,7 +108,7 @@ def test_lmcache_disk_tier_squeezed_then_evicted_by_lmcache(tmp_path: Path, kvdi
     tier = f"lmcache:{kvdir}"
     chunk = CHUNK_MIB * MIB
     with (
-        metrics_page(PAGE_FILE.read_bytes()) as port,
+        metrics_page(PAGE_FILE.read_text()) as port,
         daemon(tmp_path, TOML) as d,
         MemoryCgroup(f"kvwatch-lmcache-{os.getpid()}", None) as cg,
         StandIn(tmp_path / "bin", port, config) as eng,
