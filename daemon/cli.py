@@ -170,12 +170,9 @@ def cmd_record(config: Config, args: argparse.Namespace) -> int:
     from kvwatch.daemon.wiring import build_agent  # noqa: PLC0415 - bcc only when needed
     from kvwatch.exporters.record_cmd import run_record  # noqa: PLC0415 - subcommand on demand
     from kvwatch.exporters.record_daemon import DaemonAlerts  # noqa: PLC0415
-    from kvwatch.exporters.top import DaemonSource, daemon_url  # noqa: PLC0415
+    from kvwatch.exporters.top import daemon_source  # noqa: PLC0415
 
-    daemon = None
-    if not args.local:
-        cert = str(config.daemon.tls_cert) if config.daemon.tls_cert and not args.url else None
-        daemon = DaemonAlerts(DaemonSource(args.url or daemon_url(config), timeout=0.5, cafile=cert))
+    daemon = None if args.local else DaemonAlerts(daemon_source(config, args.url, timeout=0.5))
     tick = config.daemon.tick_seconds
     return run_record(lambda: build_agent(config), tick, args.duration, args.output, args.max_events, daemon=daemon)
 

@@ -98,6 +98,14 @@ class LocalSource:
         self.agent.close()
 
 
+def daemon_source(config: Config, url: str | None = None, timeout: float = 2.0) -> DaemonSource:
+    """The daemon ``url`` names, else the configured one (trusting its own certificate)."""
+    if url:
+        return DaemonSource(url, timeout=timeout)
+    cert = str(config.daemon.tls_cert) if config.daemon.tls_cert else None
+    return DaemonSource(daemon_url(config), timeout=timeout, cafile=cert)
+
+
 def daemon_url(config: Config) -> str:
     from kvwatch.daemon.config import parse_listen  # noqa: PLC0415
 
@@ -333,10 +341,9 @@ def open_source(config: Config, opts: TopOptions, local: Callable[[], Loop] | No
     """The daemon when it answers, else our own probes (``local`` builds them); SourceError says
     why neither works."""
     if opts.url:
-        return DaemonSource(opts.url)  # asked for this daemon: its absence is shown, not worked around
+        return daemon_source(config, opts.url)  # asked for this daemon: its absence is shown, not worked around
     if not opts.local:
-        cert = str(config.daemon.tls_cert) if config.daemon.tls_cert else None
-        src = DaemonSource(daemon_url(config), cafile=cert)
+        src = daemon_source(config)
         try:
             src.fetch()
         except SourceError as err:

@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.gpu.vllm_harness import WORK, alive, engine_env, get_text, parse, start_session, value
+from tests.gpu.vllm_harness import WORK, engine_env, get_text, parse, start_session, value
 
 PORT = 8000
 SERVED = "tiny"
@@ -193,14 +192,6 @@ def start_hog(cg: Cgroup, target: int, rate: int, name: str) -> int:
 def hog_held(name: str) -> bool:
     p = WORK / f"{name}.log"
     return p.exists() and "held" in p.read_text()
-
-
-def kill(pid: int) -> None:
-    if alive(pid):
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, 0)
 
 
 def tier_files(disk: Path) -> list[Path]:

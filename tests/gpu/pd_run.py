@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -123,14 +122,6 @@ def hog_copying(pid: int) -> bool:
     if not alive(pid):
         raise RuntimeError("copy hog exited: " + (WORK / "hog.log").read_text(errors="replace")[-800:])
     return "copying" in (WORK / "hog.log").read_text(errors="replace")
-
-
-def kill(pid: int) -> None:
-    if alive(pid):
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, 0)
 
 
 # --- what the engines say -------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from tests.gpu.vllm_harness import (
     State,
     alive,
     get_text,
+    kill,
     kvwatch_argv,
     kvwatch_ready,
     kvwatch_samples,
@@ -242,7 +243,7 @@ class LMRun:
 
     def release(self) -> None:
         for name in ("hog1", "hog2"):
-            lr.kill(self.st.pids.get(name, 0))
+            kill(self.st.pids.get(name, 0))
         if self.res.get("cgroup"):
             lr.Cgroup.existing().limit(None)
 

@@ -46,6 +46,7 @@ from tests.gpu.vllm_harness import (
     Poller,
     State,
     get_text,
+    kill,
     kvwatch_argv,
     kvwatch_ready,
     kvwatch_samples,
@@ -197,7 +198,7 @@ class PDRun:
         self.st.mark("hog_copying", seconds=round(wait_until(lambda: pd.hog_copying(pid), 90, "copy hog"), 1))
 
     def hog_stop(self) -> None:
-        pd.kill(self.st.pids.get("hog", 0))
+        kill(self.st.pids.get("hog", 0))
         self.st.mark("hog_killed")
 
     def stop_load(self) -> None:
@@ -321,7 +322,7 @@ def run_all(r: PDRun) -> None:
 
 def finish(r: PDRun) -> None:
     r.stop_load()
-    pd.kill(r.st.pids.get("hog", 0))
+    kill(r.st.pids.get("hog", 0))
     stop(r.st.pids.get("record", 0), 30, sig=2)
     r.stop_pollers()
     with contextlib.suppress(Exception):
@@ -331,7 +332,7 @@ def finish(r: PDRun) -> None:
     r.save()
     for name in ("proxy", "decode", "prefill", "kvwatch"):
         stop(r.st.pids.get(name, 0), 20)
-        pd.kill(r.st.pids.get(name, 0))
+        kill(r.st.pids.get(name, 0))
     r.pack()
     r.save()
     print(json.dumps({"verdict": r.res.get("verdict"), "notes": r.st.notes, "left_seconds": round(r.left())},

@@ -180,6 +180,15 @@ def stop(pid: int, timeout: float = 30.0, sig: int = signal.SIGTERM) -> bool:
     return False
 
 
+def kill(pid: int) -> None:
+    """SIGKILL to the process's session (it was started in one of its own) and reap it."""
+    if alive(pid):
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+
+
 def kvwatch_argv(port: int = KVWATCH_PORT, sets: tuple[str, ...] = ()) -> list[str]:
     argv = [sys.executable, "-m", "kvwatch.daemon", "run", "--listen", f"127.0.0.1:{port}", "--log-format", "json"]
     for s in sets:
