@@ -63,10 +63,12 @@ def run_record(
         )
     try:
         rec = record(agent, duration, max_events=max_events, stop=stop, daemon=daemon)
+        # The trace is written before the probes are detached: detaching from many processes can take
+        # longer than whoever stopped us waits.
+        trace = rec.finish(rec.ended_at or time.monotonic(), tick_seconds)
+        write_trace(trace, output)
     finally:
         agent.close()
-    trace = rec.finish(rec.ended_at or time.monotonic(), tick_seconds)
-    write_trace(trace, output)
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(rec.counts.items()) if k != "metadata") or "no events"
     print(f"kvwatch record: wrote {output}: {kinds}", file=sys.stderr)
     if rec.dropped:

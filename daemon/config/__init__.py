@@ -272,6 +272,7 @@ class TransferCollapseConfig(DetectorCommon):
     fraction: Annotated[float, Field(gt=0, lt=1)] = 0.3
     demand_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
     min_transfers: Annotated[int, Field(ge=1)] = 20
+    min_stalled_transfers: Annotated[int, Field(ge=1)] = 3  # a stall: few transfers, min_transfers' worth of time
     peer_grace_seconds: NonNegFloat = 10.0
     baseline_min_seconds: NonNegFloat = 30.0
 

@@ -4,8 +4,11 @@ Per process (NIXL transfers, whose completion kvwatch sees): effective bandwidth
 bytes over the summed per-transfer completion times — below ``fraction`` x its
 baseline, while demand holds (posts at least ``demand_fraction`` of their baseline,
 or as many transfers in flight as usual: slow transfers pile up) and enough
-transfers completed in the window to judge. Demand falling is not a collapse;
-a new peer's first seconds are left out by the tracker.
+transfers in the window to judge: ``min_transfers`` completed or in flight, or, when
+the path stalls so that few complete at all, ``min_stalled_transfers`` whose time
+adds up to what ``min_transfers`` usual ones take (the usual time per transfer is
+the baseline concurrency over the baseline post rate, Little's law). Demand falling
+is not a collapse; a new peer's first seconds are left out by the tracker.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
             "transfers_in_flight": s.gauge(sn.NIXL_IN_FLIGHT),
             "posts_per_second": s.rate(sn.NIXL_POSTS, w),
             "concurrency": busy / w,
+            "transfer_seconds": busy,
             "bytes": nbytes,
         }
         if self.link > 0:
@@ -68,10 +72,14 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
         c = self.config
         m = self.measure(p)
         bw = m["effective_bytes_per_second"]
-        evidence = m["transfers_completed"] + m["transfers_in_flight"] >= c.min_transfers
+        seen = m["transfers_completed"] + m["transfers_in_flight"]
+        evidence = seen >= c.min_transfers
         if evidence and st.learning_since is None and p.age >= c.warmup_seconds:
             st.learning_since = now
         warm = st.learning_since is not None and now - st.learning_since >= c.baseline_min_seconds
+        usual = st.concurrency.value / st.posts.value if st.posts.value > 0 else 0.0
+        stalled = seen >= c.min_stalled_transfers and m["transfer_seconds"] >= c.min_transfers * usual
+        evidence = evidence or (warm and usual > 0 and stalled)
         limit = c.fraction * st.bandwidth.value
         demand = m["posts_per_second"] >= c.demand_fraction * st.posts.value or (
             m["concurrency"] >= st.concurrency.value
@@ -95,6 +103,7 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
             "threshold_bytes_per_second": limit,
             "baseline_posts_per_second": st.posts.value,
             "ratio_to_baseline": bw / st.bandwidth.value if st.bandwidth.value > 0 else 0.0,
+            "baseline_seconds_per_transfer": usual,
         }
         link = f", {m['link_utilization']:.0%} of the link" if "link_utilization" in m else ""
         return Finding(

@@ -124,6 +124,23 @@ def hog_copying(pid: int) -> bool:
     return "copying" in (WORK / "hog.log").read_text(errors="replace")
 
 
+def have_tc() -> bool:
+    return shutil.which("tc") is not None
+
+
+def throttle_loopback(rate: str) -> None:
+    """A token bucket on lo: every loopback byte, UCX's tcp/lo transport among them, at ``rate``."""
+    unthrottle_loopback()
+    argv = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"tc: {r.stderr.strip()}")
+
+
+def unthrottle_loopback() -> None:
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, timeout=10, check=False)
+
+
 # --- what the engines say -------------------------------------------------------------------------
 def engine_samples(role: str) -> list[Sample]:
     return parse(get_text(f"http://127.0.0.1:{PORTS[role]}/metrics", timeout=5))

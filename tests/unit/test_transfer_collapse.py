@@ -105,11 +105,57 @@ def test_evidence_floor_and_warmup() -> None:
     s = Sim(cfg(min_transfers=50))
     for _ in range(15):
         s.step(20, 0.004)
-    assert not any(s.step(5, 1.0).firing for _ in range(10))  # type: ignore[attr-defined]  # too few to judge
+    # 3 a window at 50 ms (8 % of baseline): 0.15 s of transfer time, less than 50 usual ones take (0.2 s)
+    assert not any(s.step(1, 0.05).firing for _ in range(10))  # type: ignore[attr-defined]  # too few to judge
     s2 = Sim(cfg(warmup_seconds=10_000))
     for _ in range(10):
         s2.step(20, 0.004)
     assert not any(s2.step(20, 0.5).firing for _ in range(10))  # type: ignore[attr-defined]
+
+
+def stalled(s: Sim, in_flight: int, age: float) -> None:
+    s.series.set_gauges(
+        {
+            "nixl_in_flight": in_flight,
+            "nixl_in_flight_bytes": in_flight * 4 * MB,
+            "nixl_in_flight_seconds": in_flight * age,
+        }
+    )
+
+
+def test_a_stall_with_few_transfers_is_judged_by_their_time() -> None:
+    """The shape of vLLM's decode on the H200 under a GPU copy hog: 4 reads stuck for tens of seconds, one
+    completing every ~10 s, far below min_transfers; their time is hundreds of usual transfers'."""
+    s = Sim(cfg())
+    for _ in range(15):
+        s.step(20, 0.004)
+    states = []
+    for i in range(6):
+        stalled(s, 4, 2.0 * (i + 1))
+        states.append(s.step(0, 0.0, posts=0).firing)  # type: ignore[attr-defined]
+    assert any(states)
+    f = s.step(0, 0.0, posts=0)
+    v = f.values  # type: ignore[attr-defined]
+    assert v["transfers_completed"] == 0 and v["transfers_in_flight"] == 4
+    assert 0.003 < v["baseline_seconds_per_transfer"] < 0.005 and v["effective_bytes_per_second"] < 2 * MB
+    stalled(s, 0, 0.0)
+    for _ in range(6):
+        f = s.step(20, 0.004)
+    assert not f.firing  # type: ignore[attr-defined]
+
+
+def test_one_stuck_transfer_is_not_a_collapse() -> None:
+    """Fewer than min_stalled_transfers, after a pause: two transfers hanging are not the path's bandwidth."""
+    s = Sim(cfg())
+    for _ in range(15):
+        s.step(20, 0.004)
+    for _ in range(4):
+        s.step(0, 0.0, posts=0)  # the window empties
+    states = []
+    for i in range(8):
+        stalled(s, 2, 3.0 * (i + 1))
+        states.append(s.step(0, 0.0, posts=0).firing)  # type: ignore[attr-defined]
+    assert not any(states)
 
 
 def test_link_speed_from_config_or_sysfs(tmp_path: Path) -> None:
