@@ -124,21 +124,30 @@ def hog_copying(pid: int) -> bool:
     return "copying" in (WORK / "hog.log").read_text(errors="replace")
 
 
-def have_tc() -> bool:
-    return shutil.which("tc") is not None
+CPU_CG = Path("/sys/fs/cgroup/kvwatch-pd-starve")
 
 
-def throttle_loopback(rate: str) -> None:
-    """A token bucket on lo: every loopback byte, UCX's tcp/lo transport among them, at ``rate``."""
-    unthrottle_loopback()
-    argv = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"tc: {r.stderr.strip()}")
+def cap_cpu(pids: list[int], cores: float) -> dict[int, str]:
+    """``pids`` (all their threads) into a cgroup v2 capped at ``cores`` CPUs; their old cgroups, to go back."""
+    root = Path("/sys/fs/cgroup")
+    if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+        (root / "cgroup.subtree_control").write_text("+cpu")
+    CPU_CG.mkdir(exist_ok=True)
+    (CPU_CG / "cpu.max").write_text(f"{int(cores * 100_000)} 100000")
+    orig: dict[int, str] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            orig[pid] = Path(f"/proc/{pid}/cgroup").read_text().strip().split("::", 1)[1]
+            (CPU_CG / "cgroup.procs").write_text(str(pid))
+    return orig
 
 
-def unthrottle_loopback() -> None:
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, timeout=10, check=False)
+def uncap_cpu(orig: dict[int, str]) -> None:
+    for pid, path in orig.items():
+        with contextlib.suppress(OSError):
+            (Path("/sys/fs/cgroup") / path.lstrip("/") / "cgroup.procs").write_text(str(pid))
+    with contextlib.suppress(OSError):
+        CPU_CG.rmdir()
 
 
 # --- what the engines say -------------------------------------------------------------------------

@@ -15,9 +15,10 @@
 #        GPU blocks from each other through NIXL/UCX: $OUT/nixl_install.txt says whether cuda_ipc works here)
 #   4.   carry [".gpu-bundle", ".whl"], timeout_s 600, command: bash tests/gpu/run_pd_on_device.sh all
 #        kvwatch, prefill (8100), decode (8200), pd_proxy (8000), then steady 75 s, slow 45 s (a device-to-device
-#        copy hog on the same GPU), recover 40 s, throttle 50 s (tc tbf on lo: UCX's tcp/lo transport), recover2 40 s,
+#        copy hog on the same GPU), recover 40 s, starve 50 s (decode capped at 0.25 CPU: UCX's tcp/lo
+#        transport starves), recover2 40 s,
 #        lowdemand 35 s; closure; $OUT gets 7 files (validation.json ...).
-#        Phase lengths: STEADY/SLOW/RECOVER/THROTTLE/LOWDEMAND; more flags: PDVAL_ARGS (validate_pd.py --help).
+#        Phase lengths: STEADY/SLOW/RECOVER/STARVE/LOWDEMAND; more flags: PDVAL_ARGS (validate_pd.py --help).
 #        Budget: ~10 s kvwatch, ~90 s per instance (started one after the other), ~235 s of phases, ~60 s reserve
 #        (quiescence, closure, stops, packing); the harness clips phases to --deadline 560.
 set -uo pipefail
@@ -61,7 +62,7 @@ case "$step" in
         # at most 8 files come back from $OUT: the harness writes 7
         with_bcc python3 tests/gpu/validate_pd.py --out "$out" --deadline "${DEADLINE:-560}" \
             --steady "${STEADY:-75}" --slow "${SLOW:-45}" --recover "${RECOVER:-40}" \
-            --throttle-seconds "${THROTTLE:-50}" --lowdemand "${LOWDEMAND:-35}" \
+            --starve "${STARVE:-50}" --lowdemand "${LOWDEMAND:-35}" \
             ${PDVAL_ARGS:-} 2>&1 | tee /tmp/validate_pd.log | tail -100
         ;;
     *)

@@ -12,10 +12,11 @@ at most 63 blocks, 1,008 descriptors, below NIXL's 1,024 thread split) so every 
               on the same GPU (started before the phase's mark, killed at its end): the alert should fire
               on decode's process.
 ``recover``   the copies gone: the alert clears.
-``throttle``  the same demand, the loopback device rate-limited (``tc`` tbf, ``--throttle``): UCX's tcp/lo
-              transport, the one that ran on the H200 (no cuda_ipc in its sandbox), slowed and nothing else
-              on the GPU: the alert should fire on decode's process. Skipped, with a note, without ``tc``.
-``recover2``  the limit removed: the alert clears.
+``starve``    the same demand, decode's processes capped at ``--starve-cores`` of CPU (a cgroup v2 ``cpu.max``):
+              UCX's tcp/lo transport, the one that ran on the H200 (no cuda_ipc in its sandbox), is
+              CPU-driven, so the NIXL progress starves with nothing else on the GPU: the alert should fire
+              on decode's process.
+``recover2``  the cap removed: the alert clears.
 ``lowdemand`` one client: demand drops, the alert must stay silent.
 
 At quiescence, the closure: per request from the proxy's log (prompt tokens -> (ceil(N/16) - 0) x 524,288 B,
@@ -67,7 +68,7 @@ KEEP = ("kvwatch_transfer_", "kvwatch_rdma_", "kvwatch_alert_active", "kvwatch_a
         "kvwatch_watched_processes", "kvwatch_probe_attached", "kvwatch_events_lost_total")  # fmt: skip
 VKEEP = ("vllm:nixl_", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
          "vllm:external_prefix_cache", "vllm:num_requests", "vllm:kv_cache_usage")  # fmt: skip
-PHASES = ("steady", "slow", "recover", "throttle", "recover2", "lowdemand")
+PHASES = ("steady", "slow", "recover", "starve", "recover2", "lowdemand")
 
 
 class PDRun:
@@ -80,6 +81,7 @@ class PDRun:
         self.low = Workload("unique", 1, max_tokens=args.max_tokens, unique_tokens=args.prompt_tokens)
         self.run: Run | None = None
         self.pollers: list[Poller] = []
+        self.capped: dict[int, str] = {}
 
     def left(self) -> float:
         return self.args.deadline - (time.monotonic() - self.t0)
@@ -205,13 +207,14 @@ class PDRun:
         kill(self.st.pids.get("hog", 0))
         self.st.mark("hog_killed")
 
-    def throttle_start(self) -> None:
-        pd.throttle_loopback(self.args.throttle)
-        self.st.mark("throttle_on", rate=self.args.throttle)
+    def starve_start(self) -> None:
+        pids = [int(p["pid"]) for p in pd.processes(kvwatch_samples()) if p["role"] == "decode"]
+        self.capped = pd.cap_cpu(pids, self.args.starve_cores)
+        self.st.mark("cpu_capped", cores=self.args.starve_cores, pids=sorted(self.capped))
 
-    def throttle_stop(self) -> None:
-        pd.unthrottle_loopback()
-        self.st.mark("throttle_off")
+    def starve_stop(self) -> None:
+        pd.uncap_cpu(self.capped)
+        self.st.mark("cpu_uncapped")
 
     def stop_load(self) -> None:
         if self.run is not None:
@@ -285,7 +288,7 @@ def verdict(res: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
     c = res.get("closure") or {}
     w = res.get("watch") or {}
     decode = set(c.get("decode_pids") or w.get("decode_transfer", {}).get("pids") or [])
-    slow = fired("slow")
+    slow, starve = fired("slow"), fired("starve")
     ran = set(res.get("phases", {}))
     out: dict[str, Any] = {
         "roles_discovered": bool(w.get("roles_ok")),
@@ -295,16 +298,10 @@ def verdict(res: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
         "slow_onsets_on_decode": all(str(a["pid"]) in decode for a in slow) if slow else None,
         "slow_onset_after_start": min(a["after_phase_start"] for a in slow) if slow else None,
         "cleared_by_recover": all(a["cleared_in"] in ("slow", "recover") for a in slow) if slow else None,
-        "fired_in_throttle": bool(fired("throttle")) if "throttle" in ran else None,
-        "throttle_onsets_on_decode": all(str(a["pid"]) in decode for a in fired("throttle"))
-        if fired("throttle")
-        else None,
-        "throttle_onset_after_start": min(a["after_phase_start"] for a in fired("throttle"))
-        if fired("throttle")
-        else None,
-        "cleared_by_recover2": all(a["cleared_in"] in ("throttle", "recover2") for a in fired("throttle"))
-        if fired("throttle")
-        else None,
+        "fired_in_starve": bool(starve) if "starve" in ran else None,
+        "starve_onsets_on_decode": all(str(a["pid"]) in decode for a in starve) if starve else None,
+        "starve_onset_after_start": min(a["after_phase_start"] for a in starve) if starve else None,
+        "cleared_by_recover2": all(a["cleared_in"] in ("starve", "recover2") for a in starve) if starve else None,
         "silent_in_lowdemand": not fired("lowdemand") if "lowdemand" in ran else None,
         "count_equal": (c.get("count") or {}).get("equal"),
         "bytes_vllm_equal_expected": (c.get("bytes") or {}).get("vllm_equals_expected"),
@@ -333,11 +330,9 @@ def run_all(r: PDRun) -> None:
         r.phase("steady", r.busy, a.steady)
         r.phase("slow", r.busy, a.slow, before=r.hog_start, after=r.hog_stop)
         r.phase("recover", r.busy, a.recover)
-        if a.throttle and pd.have_tc():
-            r.phase("throttle", r.busy, a.throttle_seconds, before=r.throttle_start, after=r.throttle_stop)
+        if a.starve_cores > 0:
+            r.phase("starve", r.busy, a.starve, before=r.starve_start, after=r.starve_stop)
             r.phase("recover2", r.busy, a.recover)
-        elif a.throttle:
-            r.st.note("throttle phase skipped: no tc here")
         r.phase("lowdemand", r.low, a.lowdemand)
         r.quiesce()
         r.res["closure"] = closure()
@@ -351,7 +346,7 @@ def finish(r: PDRun) -> None:
     r.stop_load()
     kill(r.st.pids.get("hog", 0))
     with contextlib.suppress(Exception):
-        pd.unthrottle_loopback()
+        pd.uncap_cpu(r.capped)
     stop(r.st.pids.get("record", 0), 60, sig=2)
     r.stop_pollers()
     with contextlib.suppress(Exception):
@@ -380,10 +375,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=4)
-    for flag, default in (("--steady", 75), ("--slow", 45), ("--recover", 40), ("--throttle-seconds", 50),
+    for flag, default in (("--steady", 75), ("--slow", 45), ("--recover", 40), ("--starve", 50),
                           ("--lowdemand", 35)):  # fmt: skip
         ap.add_argument(flag, type=float, default=default, help="phase seconds")
-    ap.add_argument("--throttle", default="400mbit", help="tc tbf rate on lo in the throttle phase ('': none)")
+    ap.add_argument("--starve-cores", type=float, default=0.25, help="decode's CPU cap in the starve phase (0: none)")
     ap.add_argument("--hog-gib", type=float, default=1.0, help="size of each copied tensor")
     ap.add_argument("--hog-streams", type=int, default=2, help="copy streams (src/dst pairs) in the hog")
     ap.add_argument("--transfer-warmup", type=float, default=30,
