@@ -154,10 +154,16 @@ class ApiCounters:
 
 
 # The transfer family's duration histogram: in-kernel log2 buckets of nanoseconds (the BPF
-# program gets the same numbers as -D flags); bucket b holds durations < 2^(b + 11) ns.
+# program gets the same numbers as -D flags); bucket b holds durations < 2^(b + 10) ns (bcc's
+# bpf_log2l(d) is floor(log2 d) + 1, and the program keeps max(bpf_log2l(d) - 10, 0)).
 NBUCKETS = 26
 FIRST_BUCKET_LOG2 = 10
-BUCKET_BOUNDS = tuple(2 ** (b + FIRST_BUCKET_LOG2 + 1) / 1e9 for b in range(NBUCKETS - 1))  # seconds
+BUCKET_BOUNDS = tuple(2 ** (b + FIRST_BUCKET_LOG2) / 1e9 for b in range(NBUCKETS - 1))  # seconds
+
+
+def bucket_of(duration_ns: int) -> int:
+    """The bucket the BPF program puts a duration in: bcc's bpf_log2l is the bit length."""
+    return min(max(duration_ns.bit_length() - FIRST_BUCKET_LOG2, 0), NBUCKETS - 1)
 
 
 @dataclass(frozen=True, slots=True)

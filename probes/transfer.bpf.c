@@ -28,7 +28,7 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 16
 #endif
-#define NBUCKETS 26              /* log2 buckets of ns: [<2^11, 2^11, ..., >=2^35] */
+#define NBUCKETS 26              /* log2 buckets of ns: [<2^10, <2^11, ..., >=2^34] */
 #define FIRST_BUCKET_LOG2 10
 #define STALE_INFLIGHT_NS (10ULL * 1000000000ULL)
 

@@ -309,8 +309,10 @@ def verdict(res: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
         "other_alerts": sorted({f"{a['alert']}@{a['phase']}" for a in found if a["alert"] != ALERT}),
         "phases_run": sorted(ran, key=PHASES.index),
     }
-    musts = ("roles_discovered", "decode_probes_attached", "silent_in_steady", "fired_in_slow",
-             "slow_onsets_on_decode", "cleared_by_recover", "silent_in_lowdemand", "count_equal")  # fmt: skip
+    # The copy hog time-slices the whole GPU: prefill, decode and the reads all stall, so the transfer path is not
+    # what is slow and the alert is not required there (reported); starving decode's CPU slows the tcp/lo reads alone.
+    musts = ("roles_discovered", "decode_probes_attached", "silent_in_steady", "fired_in_starve",
+             "starve_onsets_on_decode", "cleared_by_recover2", "silent_in_lowdemand", "count_equal")  # fmt: skip
     out["pass"] = all(out[m] is True for m in musts)
     return out
 

@@ -20,7 +20,7 @@ import pytest
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.stublib import build_transfer
 from kvwatch.probes.libs import read_symbols
-from kvwatch.probes.records import HookState
+from kvwatch.probes.records import BUCKET_BOUNDS, HookState
 from kvwatch.probes.transfer import TRANSFER_APIS, TransferProbeOptions, TransferProbes
 
 from tests.support.kernel import Child
@@ -71,6 +71,11 @@ def test_real_nixl_bytes_exact_and_latency_matches_the_application(probes: Trans
         assert got[("nixl", "write")] == (N, 0, N * size, N)  # the bytes the test moved, exactly
         assert ("ucx", "write") not in got  # the UCX puts beneath the posts are the posts' bytes
         assert len(events) == N
+        # the in-kernel histogram against the same transfers' durations: each counted under its bucket's bound
+        hist = proc(probes, init.pid).xfers[("nixl", "write")].buckets
+        durations = [e.end_ns - e.start_ns for e in events]
+        for b, bound in enumerate(BUCKET_BOUNDS):
+            assert sum(hist[: b + 1]) == sum(1 for d in durations if d < round(bound * 1e9)), (b, hist, durations)
         # the probes sit inside the application's timed region (post ... status done), so
         # ours is never longer than theirs; what separates them is the Python wrapper around
         # the two calls and, on a loaded two-core machine, a preemption in between

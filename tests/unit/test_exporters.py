@@ -47,7 +47,7 @@ from kvwatch.daemon.snapshot import (
     TransferView,
 )
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
-from kvwatch.probes.records import ApiCounters, XferCounters
+from kvwatch.probes.records import ApiCounters, XferCounters, bucket_of
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -282,7 +282,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                             bytes=23 * 64 * 2**20,
                             completed=23,
                             duration_ns=23 * 16_000_000,
-                            buckets=tuple(23 if b == 13 else 0 for b in range(26)),  # 16 ms: [2^23, 2^24) ns
+                            buckets=tuple(23 if b == bucket_of(16_000_000) else 0 for b in range(26)),
                         ),
                         ("nccl", "send"): XferCounters(calls=7, bytes=7 * 2000),
                     },
