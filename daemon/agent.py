@@ -143,7 +143,7 @@ class Agent:
         if self.bpf_stats is not None and self.config.self_cost.bpf_stats and not self.bpf_stats.enable():
             self.errors.record("bpf_stats", "BPF statistics could not be turned on", None, reason=self.bpf_stats.error)
         if uprobes and self.canary is not None and self.config.self_cost.calibrate:
-            calibrate_in_background(self.self_cost, self.canary)
+            calibrate_in_background(self.self_cost, self.canary, then=release_compiler_memory)
         elif uprobes and self.config.self_cost.call_cost_ns <= 0:
             log.warning(
                 "uprobe cost not measured (self_cost.calibrate off, no call_cost_ns): the budget is not enforced"

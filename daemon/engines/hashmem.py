@@ -4,7 +4,8 @@ A Python dict costs about 100 bytes per block hash (the key object, the float, t
 so a million remembered blocks would be 100 MB per stream and medium. Here the newest
 entries sit in a dict (one sixteenth of the capacity, 16,384 at most); when it fills it is sealed:
 merged into numpy arrays sorted by hash fingerprint, beside each entry's time, the seal it
-came in (its generation), a live flag and a tag (23 bytes an entry). Each seal drops the entries
+came in (its generation), a live flag and a tag (23 bytes an entry; ``hashmem_sealed.py``,
+created on the first seal, so that numpy is imported only by a memory that fills). Each seal drops the entries
 taken since the last; when the live ones would exceed the capacity the oldest generations
 are forgotten, their live entries counted.
 
@@ -22,10 +23,12 @@ memory is a 2^-64-per-pair event.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
 from kvwatch.daemon.engines.wire import Hash
+
+if TYPE_CHECKING:
+    from kvwatch.daemon.engines.hashmem_sealed import SealedEntries
 
 MASK64 = (1 << 64) - 1
 GENERATIONS = 16  # the dict holds at most capacity / GENERATIONS entries,
@@ -43,17 +46,14 @@ class HashMemory:
         self.capacity = capacity
         self.open_limit = max(min(capacity // GENERATIONS, OPEN_MAX), 1)
         self._open: dict[int, float] = {}
-        # sealed entries, sorted by fingerprint (older before newer among equal ones)
-        self._keys: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)
-        self._times: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
-        self._gens: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)  # which seal each came in
-        self._live: npt.NDArray[np.bool_] = np.empty(0, dtype=np.bool_)
-        self._tags: npt.NDArray[np.uint16] = np.empty(0, dtype=np.uint16)
+        self._sealed: SealedEntries | None = None  # from the first seal on
         self._open_tags: dict[int, int] = {}  # the open entries' non-zero tags
         self.live_by_tag: dict[int, int] = {}  # live entries per non-zero tag
-        self._sealed_live = 0
-        self._gen = 0
         self.forgotten = 0  # live entries dropped with their generation
+
+    @property
+    def _sealed_live(self) -> int:
+        return self._sealed.live if self._sealed is not None else 0
 
     def resize(self, capacity: int) -> None:
         """A new bound; a smaller one forgets the oldest entries (counted) at once."""
@@ -130,8 +130,9 @@ class HashMemory:
                 self._count(tag, -1)
             if tags is not None:
                 tags.append(tag)
-        if rest and self._sealed_live:
-            k, t2 = self._take_sealed(np.array(rest, dtype=np.uint64), tags)
+        if rest and self._sealed is not None and self._sealed.live:
+            k, t2, per_tag = self._sealed.take(rest, tags, bool(self.live_by_tag))
+            self._uncount(per_tag)
             keys += k
             found += t2
         return keys, found
@@ -140,12 +141,9 @@ class HashMemory:
         """The tag of a fingerprint held (kept), None when it is not."""
         if fp in self._open:
             return self._open_tags.get(fp, 0)
-        if not self._sealed_live:
+        if self._sealed is None or not self._sealed.live:
             return None
-        i = max(int(np.searchsorted(self._keys, np.uint64(fp), side="right")) - 1, 0)
-        if int(self._keys[i]) == fp and self._live[i]:
-            return int(self._tags[i])
-        return None
+        return self._sealed.tag_of(fp)
 
     def count(self, fps: Sequence[int]) -> int:
         """How many of the fingerprints are held, without forgetting them."""
@@ -155,87 +153,31 @@ class HashMemory:
                 n += 1
             else:
                 rest.append(fp)
-        if rest and self._sealed_live:
-            want = np.array(rest, dtype=np.uint64)
-            idx = np.maximum(np.searchsorted(self._keys, want, side="right") - 1, 0)
-            n += int(np.count_nonzero((self._keys[idx] == want) & self._live[idx]))
+        if rest and self._sealed is not None and self._sealed.live:
+            n += self._sealed.count(rest)
         return n
 
     def clear(self) -> None:
         self._open.clear()
         self._open_tags.clear()
         self.live_by_tag.clear()
-        self._keys, self._times = self._keys[:0], self._times[:0]
-        self._gens, self._live, self._tags = self._gens[:0], self._live[:0], self._tags[:0]
-        self._sealed_live = 0
+        if self._sealed is not None:
+            self._sealed.clear()
 
-    def _take_sealed(self, fps: npt.NDArray[np.uint64], tags: list[int] | None) -> tuple[list[int], list[float]]:
-        # the newest entry of a fingerprint is the last of its run; an older one left live
-        # beside it (put again without a take) is stale and goes with its generation
-        idx = np.searchsorted(self._keys, fps, side="right") - 1
-        idx = np.maximum(idx, 0)
-        hit = (self._keys[idx] == fps) & self._live[idx]
-        where = idx[hit]
-        if not len(where):
-            return [], []
-        where = np.unique(where)  # one hash twice in a call is taken once
-        self._live[where] = False
-        self._sealed_live -= len(where)
-        keys: list[int] = self._keys[where].tolist()
-        found: list[float] = self._times[where].tolist()
-        if self.live_by_tag or tags is not None:
-            got = self._tags[where]
-            if self.live_by_tag:
-                self._uncount(got)
-            if tags is not None:
-                tags += got.tolist()
-        return keys, found
-
-    def _uncount(self, tags: npt.NDArray[np.uint16]) -> None:
-        for tag, n in enumerate(np.bincount(tags).tolist()):
+    def _uncount(self, per_tag: list[int]) -> None:
+        for tag, n in enumerate(per_tag):
             if tag and n:
                 self._count(tag, -n)
 
     def _seal(self) -> None:
-        n = len(self._open)
-        keys = np.fromiter(self._open.keys(), dtype=np.uint64, count=n)
-        times = np.fromiter(self._open.values(), dtype=np.float64, count=n)
-        otags = self._open_tags
-        tags = np.fromiter((otags.get(k, 0) for k in self._open), dtype=np.uint16, count=n) if otags else None
-        self._open, self._open_tags = {}, {}
-        self._gen += 1
-        self._compact(n)
-        order = np.argsort(keys)
-        keys, times = keys[order], times[order]
-        tags = tags[order] if tags is not None else np.zeros(n, dtype=np.uint16)
-        # inserted field by field, so that only one field is ever copied at a time; after
-        # the equal keys already there, so that the newest entry is the last of its run
-        at = np.searchsorted(self._keys, keys, side="right")
-        self._keys = np.insert(self._keys, at, keys)
-        self._times = np.insert(self._times, at, times)
-        self._gens = np.insert(self._gens, at, np.uint32(self._gen))
-        self._live = np.insert(self._live, at, True)
-        self._tags = np.insert(self._tags, at, tags)
-        self._sealed_live += n
+        """The open entries become the newest sealed generation; past the capacity the oldest
+        generations go, their live entries counted as forgotten."""
+        if self._sealed is None:
+            from kvwatch.daemon.engines.hashmem_sealed import SealedEntries  # noqa: PLC0415 - numpy on first seal
 
-    def _compact(self, room_for: int) -> None:
-        """Drop the entries already taken, then whole generations, oldest first, until
-        ``room_for`` more fit; the live entries of a dropped generation are counted."""
-        keep = self._live.copy()
-        excess = self._sealed_live + room_for - (self.capacity - self.open_limit)
-        if excess > 0:
-            counts = np.bincount(self._gens[keep])
-            through = int(np.searchsorted(np.cumsum(counts), excess))  # drop generations 0..through
-            old = keep & (self._gens <= through)
-            gone = int(np.count_nonzero(old))
-            if self.live_by_tag:
-                self._uncount(self._tags[old])
-            self.forgotten += gone
-            self._sealed_live -= gone
-            keep &= ~old
-        if not keep.all():
-            self._keys = self._keys[keep]
-            self._times = self._times[keep]
-            self._gens = self._gens[keep]
-            self._live = self._live[keep]
-            self._tags = self._tags[keep]
+            self._sealed = SealedEntries()
+        room = self.capacity - self.open_limit
+        gone, per_tag = self._sealed.seal(self._open, self._open_tags, room, bool(self.live_by_tag))
+        self._open, self._open_tags = {}, {}
+        self._uncount(per_tag)
+        self.forgotten += gone
