@@ -207,8 +207,11 @@ def test_unit_tests_open_no_sockets_and_start_no_threads() -> None:
 
 def test_test_files_are_named_for_the_module_they_cover() -> None:
     """``test_<module>[_<aspect>].py``: <module> a module or package of kvwatch (``engines/taps.py``
-    → ``test_taps.py``, ``test_taps_…``), so that the tests of a module are found by its name."""
+    → ``test_taps.py``, ``test_taps_…``), so that the tests of a module are found by its name.
+    The benchmarks' pure helpers are tested as ``test_bench_<module>.py`` (``bench/pairstats.py`` →
+    ``test_bench_pairstats.py``)."""
     names = {"architecture", "deploy"}  # this file (the tree's rules) and deploy/
+    names |= {f"bench_{f.stem}" for f in (REPO / "bench").glob("*.py")}
     for folder in PACKAGES:
         names.add(folder)
         for f in (REPO / folder).rglob("*"):

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# kvwatch's cost to a real vLLM 0.26.0 on the lent H200 (bench/bench_engine_cost.py): ONE device call
+# after the vLLM bundle is unpacked. Back to back (the machine keeps /tmp only while it stays warm):
+#
+#   1-2. carry [".vllm-bundle/parts/bundle.part00"], command: bash tests/gpu/run_vllm_on_device.sh part 00   (then 01)
+#   3.   carry [".vllm-bundle/parts/bundle.part02", ".vllm-bundle/make_tiny_model.py"]
+#        command: bash tests/gpu/run_vllm_on_device.sh unpack 02
+#   4.   carry [".gpu-bundle", ".whl"], timeout_s 600,
+#        command: bash tests/gpu/run_engine_cost_on_device.sh
+#        (knobs, as environment in front: PAIRS=8 ROUND_SECONDS=16 SETTLE=3 DATASET=prefix_repetition
+#         CONCURRENCY=16 DEADLINE=565; ARGS="..." for any other flag of the bench)
+#
+# In the call: the bench starts vLLM at once (prefix caching, the CPU offloading connector, KV events,
+# /tmp/tiny with dummy weights: tests/gpu/vllm_harness.vllm_argv) and imports vLLM's client while it
+# starts (~50 s of the ~90-100 s to /health); meanwhile this script installs kvwatch's wheels and
+# unpacks bcc, which kvwatch's first start (after /health and a warm-up round) needs. Then ABBA pairs
+# until the deadline. Comes back in $OUT: engine_cost.json, engine_cost.md, engine_cost_logs.tar.gz.
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+here=$PWD
+
+# kvwatch runs with bcc's libraries; the bench, its client and vLLM run without them
+cat > /tmp/kvwatch-daemon <<LAUNCH
+#!/usr/bin/env bash
+export PYTHONPATH=/tmp/kvpkg:/tmp/site:$here PYTHONUNBUFFERED=1
+exec $here/.gpu-bundle/with-bcc python3 -m kvwatch.daemon "\$@"
+LAUNCH
+chmod +x /tmp/kvwatch-daemon
+
+PYTHONPATH=/tmp/vsite:$here HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 python3 bench/bench_engine_cost.py \
+    --engine vllm --client vllm --out "$out" --work /tmp/kvw-engine-cost --kvwatch-cmd /tmp/kvwatch-daemon \
+    --pairs "${PAIRS:-8}" --round-seconds "${ROUND_SECONDS:-16}" --settle "${SETTLE:-3}" \
+    --dataset "${DATASET:-prefix_repetition}" --concurrency "${CONCURRENCY:-16}" --deadline "${DEADLINE:-565}" \
+    ${ARGS:-} > /tmp/engine_cost.log 2>&1 &
+bench=$!
+
+if [ ! -e /tmp/site/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && touch /tmp/site/.done
+fi
+mkdir -p /tmp/kvpkg/kvwatch
+for d in daemon probes exporters; do ln -sfn "$here/$d" "/tmp/kvpkg/kvwatch/$d"; done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r
+PYTHONPATH=/tmp/kvpkg:/tmp/site:$here .gpu-bundle/with-bcc python3 -c 'import bcc, kvwatch.probes.cuda; print("bcc", bcc.__version__)' \
+    || { echo "bcc or kvwatch does not import: stopping the bench"; kill "$bench"; }
+wait "$bench"
+echo "bench exit $?"
+tail -c 9000 /tmp/engine_cost.log

@@ -1,0 +1,24 @@
+"""bench/engine_procs.py: CPU seconds between two snapshots of a process tree (no /proc read here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.bench import bench_module
+
+procs = bench_module("engine_procs")
+
+
+def test_cpu_between_counts_own_and_reaped_children_time() -> None:
+    a = {10: (100, 5.0, 1.0, "vllm"), 11: (101, 20.0, 0.0, "VLLM::EngineCor"), 12: (102, 1.0, 0.0, "gone")}
+    b = {10: (100, 6.5, 1.5, "vllm"), 11: (101, 29.0, 0.0, "VLLM::EngineCor"), 13: (140, 0.25, 0.0, "new")}
+    d = procs.cpu_between(a, b)
+    assert d["per_pid"] == {"10": 2.0, "11": 9.0, "13": 0.25}  # a process new in b counts whole
+    assert d["total"] == pytest.approx(11.25)
+    assert d["gone"] == [12] and d["comm"]["11"] == "VLLM::EngineCor"
+
+
+def test_a_reused_pid_is_a_new_process() -> None:
+    a = {20: (100, 50.0, 0.0, "old")}
+    b = {20: (900, 0.5, 0.0, "new")}  # same pid, another start time
+    assert procs.cpu_between(a, b)["total"] == pytest.approx(0.5)
