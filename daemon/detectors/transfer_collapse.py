@@ -2,8 +2,9 @@
 
 Per process (NIXL transfers, whose completion kvwatch sees): effective bandwidth —
 bytes over the summed per-transfer completion times — below ``fraction`` x its
-baseline, while demand holds (posts at least ``demand_fraction`` of their baseline,
-or as many transfers in flight as usual: slow transfers pile up) and enough
+baseline, while demand holds (posts, or the transfers in flight on average, at least
+``demand_fraction`` of their baseline: slow transfers pile up, or hold the in-flight
+share of a load whose posts they throttle) and enough
 transfers in the window to judge: ``min_transfers`` completed or in flight, or, when
 the path stalls so that few complete at all, ``min_stalled_transfers`` whose time
 adds up to what ``min_transfers`` usual ones take (the usual time per transfer is
@@ -81,8 +82,9 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
         stalled = seen >= c.min_stalled_transfers and m["transfer_seconds"] >= c.min_transfers * usual
         evidence = evidence or (warm and usual > 0 and stalled)
         limit = c.fraction * st.bandwidth.value
-        demand = m["posts_per_second"] >= c.demand_fraction * st.posts.value or (
-            m["concurrency"] >= st.concurrency.value
+        demand = (
+            m["posts_per_second"] >= c.demand_fraction * st.posts.value
+            or m["concurrency"] >= c.demand_fraction * st.concurrency.value
         )
         hot = warm and evidence and bw < limit and demand
         # Too few completions to judge is not recovery: slow transfers complete rarely.
