@@ -13,6 +13,8 @@
 # Carried bundles, built on the development host first (the GPU machine has no network):
 # .gpu-bundle (bcc and its libraries, with a with-bcc launcher), .vllm-bundle (vLLM 0.26.0, its
 # wheels and a tiny random-weight Llama, split in parts), and kvwatch's wheels for Python 3.12 in .whl.
+# A call carries the tracked tree (~4.6 MiB) beside its part, under 64 MiB together: parts of 58 MiB
+# (re-split: cat .vllm-bundle/parts/bundle.part* | split -b 58M -d - NEWDIR/bundle.part).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
