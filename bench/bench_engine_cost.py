@@ -7,7 +7,9 @@ rounds of the same load with kvwatch on and off, paired and interleaved (root, r
     sudo .venv/bin/python bench/bench_engine_cost.py --engine standin --client http --pairs 4 --round-seconds 8
 
 The load is vLLM's own client (``vllm bench serve``, imported once: ``engine_clients.py``) with
-``--dataset prefix_repetition`` or ``random``. Rounds run in ABBA pairs (off on | on off | ...,
+``--dataset prefix_repetition`` or ``random``; every round's requests are sampled before the
+rounds (each round its own seed), while the engine starts when ``--num-prompts`` fixes their
+number, after the calibration round otherwise. Rounds run in ABBA pairs (off on | on off | ...,
 ``pairstats.py``); before every round the same ``--settle`` seconds pass with nothing running,
 counted from the moment its mode was proven: for "on", kvwatch's /readyz and its /metrics showing
 the engine's processes watched, CUDA probes attached in every EngineCore and the KV event stream

@@ -153,6 +153,11 @@ def _others(p: dict[str, Any]) -> str:
     )
 
 
+def _sized(a: dict[str, Any]) -> str:
+    fixed = a.get("num_prompts") not in (None, "0", 0)
+    return "fixed by --num-prompts" if fixed else f"calibrated to {a.get('round_seconds')} s"
+
+
 def _overhead(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Where a pair's time went besides the client's runs: toggles with their proofs, the settle,
     the meter's wait after on rounds."""
@@ -177,7 +182,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"# kvwatch's cost to a running engine — {time.strftime('%Y-%m-%d %H:%M')} — kernel {platform.release()}",
         f"engine {a.get('engine')}, client {a.get('client')}, dataset {a.get('dataset')}, concurrency "
-        f"{a.get('concurrency')}, {cal.get('num_prompts')} prompts a round (calibrated to {a.get('round_seconds')} s), "
+        f"{a.get('concurrency')}, {cal.get('num_prompts')} prompts a round ({_sized(a)}), "
         f"settle {a.get('settle')} s after every proven toggle; {s['pairs']} ABBA pairs; ratios of means over the "
         "pairs with a percentile bootstrap 95 % interval (10,000 resamples of whole pairs)",
         "",
