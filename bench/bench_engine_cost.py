@@ -7,7 +7,9 @@ rounds of the same load with kvwatch on and off, paired and interleaved (root, r
     sudo .venv/bin/python bench/bench_engine_cost.py --engine standin --client http --pairs 4 --round-seconds 8
 
 The load is vLLM's own client (``vllm bench serve``, imported once: ``engine_clients.py``) with
-``--dataset prefix_repetition`` or ``random``. Rounds run in ABBA pairs (off on | on off | ...,
+``--dataset prefix_repetition`` or ``random``; every round's requests are sampled before the
+rounds (each round its own seed), while the engine starts when ``--num-prompts`` fixes their
+number, after the calibration round otherwise. Rounds run in ABBA pairs (off on | on off | ...,
 ``pairstats.py``); before every round the same ``--settle`` seconds pass with nothing running,
 counted from the moment its mode was proven: for "on", kvwatch's /readyz and its /metrics showing
 the engine's processes watched, CUDA probes attached in every EngineCore and the KV event stream
@@ -190,16 +192,22 @@ def per_1000(seconds: float, completed: float) -> float:
     return 1000.0 * seconds / completed if completed else float("nan")
 
 
+def round_load(ctx: dict[str, Any], index: int) -> Load:
+    load: Load = ctx["load"]
+    return load.with_(seed=ctx["args"].seed + 1 + index)
+
+
 def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str, Any]:
     kv: Kvwatch = ctx["kvwatch"]
     api, cores = ctx["api"], ctx["cores"]
+    t_round = time.monotonic()
     toggle = kv.ensure(on, api, cores)
     time.sleep(ctx["args"].settle)  # the same after every proof, on or off
     row: dict[str, Any] = {"round": index, "pair": pair, "kvwatch": on, "toggle": toggle}
     if on:
         row["tapped_before"] = kv.tapped(api, cores)
         m0, d0 = kv.meter([api, *cores]), process_cpu(kv.pid or 0)
-    load: Load = ctx["load"].with_(seed=ctx["args"].seed + 1 + index)
+    load = round_load(ctx, index)
     c0, t0 = cpu_snapshot(api), time.monotonic()
     res = ctx["client"].run(load)
     c1, wall = cpu_snapshot(api), time.monotonic() - t0
@@ -219,6 +227,7 @@ def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str,
         row["meter_core_s_per_1000"] = per_1000(sum(meter[str(c)] for c in cores), done)
         row["daemon_cpu_s_per_1000"] = per_1000(process_cpu(kv.pid or 0) - d0, done)
         row["tapped_after"] = kv.tapped(api, cores)
+    row["elapsed_s"] = round(time.monotonic() - t_round, 2)  # toggle + settle + client + meter wait
     print(engine_cost_report.round_line(row), flush=True)
     return row
 
@@ -228,10 +237,25 @@ def calibrate(ctx: dict[str, Any]) -> dict[str, Any]:
     a round last --round-seconds at the throughput it reached."""
     args = ctx["args"]
     proof = prove_off(None, set(), tolerate_others=args.tolerate_other_kvwatch)
-    res = ctx["client"].run(ctx["load"].with_(num_prompts=args.warmup_prompts, seed=args.seed))
+    res = ctx["client"].run(warmup_load(ctx))
     n = args.num_prompts or max(50, round(args.round_seconds * float(res["request_throughput"]) / 10) * 10)
     ctx["load"] = ctx["load"].with_(num_prompts=n)
     return {"warmup": res, "num_prompts": n, "off_before": proof}
+
+
+def warmup_load(ctx: dict[str, Any]) -> Load:
+    load: Load = ctx["load"]
+    return load.with_(num_prompts=ctx["args"].warmup_prompts, seed=ctx["args"].seed)
+
+
+def presample(ctx: dict[str, Any], out: dict[str, Any]) -> None:
+    """Every round's requests, sampled before the rounds (each round its own seed): a round then
+    pays only for its requests. With --num-prompts this runs while the engine starts."""
+    client: Client = ctx["client"]
+    t0 = time.monotonic()
+    for index in range(2 * ctx["args"].pairs):
+        client.prepare(round_load(ctx, index))
+    out["presample_s"] = round(out.get("presample_s", 0.0) + time.monotonic() - t0, 1)
 
 
 def run(args: argparse.Namespace, out: dict[str, Any], ctx: dict[str, Any]) -> None:
@@ -245,15 +269,20 @@ def run(args: argparse.Namespace, out: dict[str, Any], ctx: dict[str, Any]) -> N
     try:
         ctx["client"] = make_client(args, args.work)  # vLLM's import overlaps the server's start
         out["client_import_s"] = round(getattr(ctx["client"], "import_seconds", 0.0), 1)
+        ctx["load"] = Load(args.dataset, args.num_prompts, args.concurrency, args.prefix_len, args.suffix_len,
+                           args.num_prefixes, args.input_len, args.output_len, args.seed)  # fmt: skip
+        if args.num_prompts:  # the rounds' size is known: sample them while the engine starts
+            ctx["client"].prepare(warmup_load(ctx))
+            presample(ctx, out)
         wait_until(lambda: healthy(args.port) or not alive(api), 330, "the engine's /health")
         if not alive(api):
             raise RuntimeError("the engine exited during start: see engine.log in the logs")
         out["engine_ready_s"] = round(time.monotonic() - t0, 1)
         ctx["cores"] = engine_cores(api, 0 if args.engine == "external" else 60)
         out["engine"] = {"api": api, "cores": ctx["cores"]}
-        ctx["load"] = Load(args.dataset, 0, args.concurrency, args.prefix_len, args.suffix_len,
-                           args.num_prefixes, args.input_len, args.output_len, args.seed)  # fmt: skip
         out["calibration"] = calibrate(ctx)
+        if not args.num_prompts:
+            presample(ctx, out)
         rounds(ctx, out, t0)
     finally:
         if ctx["kvwatch"].pid is not None:
@@ -268,7 +297,8 @@ def rounds(ctx: dict[str, Any], out: dict[str, Any], t0: float) -> None:
     for pair in range(args.pairs):
         need = (longest or 2 * (args.round_seconds + args.settle) + 40) * (2 if pair % 2 == 0 else 1)
         if args.deadline - (time.monotonic() - t0) < need + 20:
-            out["notes"].append(f"stopped after {pair} pairs: {need:.0f} s per pair, deadline near")
+            per = "per two pairs (one ABBA block)" if pair % 2 == 0 else "per pair"
+            out["notes"].append(f"stopped after {pair} pairs: {need:.0f} s needed {per}, deadline near")
             break
         tp = time.monotonic()
         if not alive(ctx["api"]):

@@ -7,12 +7,21 @@
   ``median_tpot_ms``, ``p99_tpot_ms``, ...; p99 because ``--metric-percentiles 99``). Its import
   takes ~50 s on the H200 host, so it is paid once. Every round passes ``--ignore-eos``, so every
   request generates exactly the output length and rounds of the same size do the same work.
+  ``prepare(load)`` samples a round's requests ahead of it (``vllm.benchmarks.datasets.get_samples``
+  with the tokenizer loaded once; prefix_repetition encodes and decodes every prompt, about a
+  second per round on the H200 host), so that a round pays only ``main(args)``'s own steps: while
+  a prepared round runs, ``serve.get_samples`` and ``serve.get_tokenizer`` hand ``main`` the
+  prepared requests and the loaded tokenizer, and everything else (the server tokenizer check,
+  sampling parameters, ``benchmark``) is vLLM's ``vllm bench serve`` unchanged.
 * ``HttpClient``: a stand-in for machines without vLLM (the dry run): threads POSTing token-id
   prompts to ``/v1/completions`` without streaming, so its "TTFT" is the whole request's latency
   and its "TPOT" that latency over the output tokens. The same result keys.
 
 Both send ``num_prompts`` requests with at most ``concurrency`` in flight; ``seed`` picks the
-prompts (each round its own, so that no round finds the previous one's suffixes cached).
+prompts (each round its own, so that no round finds the previous one's suffixes cached: both
+rounds of a pair sending the same prompts would give the second one prefix-cache hits, which
+favour whichever mode runs second and swap sides from pair to pair). Both take ``prepare(load)``:
+a round's prompts built before it runs (``run`` builds them itself when not prepared).
 """
 
 from __future__ import annotations
@@ -63,6 +72,8 @@ class Load:
 class Client(Protocol):
     name: str
 
+    def prepare(self, load: Load) -> None: ...
+
     def run(self, load: Load) -> dict[str, Any]: ...
 
 
@@ -79,6 +90,9 @@ class VllmClient:
         add_cli_args(self.parser)
         self.main: Callable[[Any], dict[str, Any]] = main
         self.base_url, self.model, self.tokenizer, self.log = base_url, model, tokenizer, log
+        self._tok: Any = None
+        self.prepared: dict[Load, list[Any]] = {}
+        self.prepare_seconds = 0.0
 
     def argv(self, load: Load) -> list[str]:
         argv = [
@@ -97,10 +111,48 @@ class VllmClient:
             argv += ["--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len)]
         return argv
 
-    def run(self, load: Load) -> dict[str, Any]:
+    def tokenizer_(self) -> Any:
+        """vLLM's ``get_tokenizer`` as ``main`` calls it, once (loading it is seconds)."""
+        if self._tok is None:
+            from vllm.tokenizers import get_tokenizer  # type: ignore[import-not-found]
+
+            args = self.parser.parse_args(self.argv(Load()))
+            self._tok = get_tokenizer(
+                args.tokenizer, tokenizer_mode=args.tokenizer_mode, trust_remote_code=args.trust_remote_code
+            )
+        return self._tok
+
+    def prepare(self, load: Load) -> None:
+        """The requests ``main`` would sample for ``load``: seeded as ``main_async`` seeds before
+        ``get_samples`` (the dataset seeds itself from ``--seed`` too), so the same prompts."""
+        if load in self.prepared:
+            return
+        import numpy as np  # type: ignore[import-not-found]
+        from vllm.benchmarks.datasets import get_samples  # type: ignore[import-not-found]
+
+        t0 = time.monotonic()
         args = self.parser.parse_args(self.argv(load))
+        tok = self.tokenizer_()
         with open(self.log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            result = self.main(args)
+            random.seed(args.seed)
+            np.random.seed(args.seed)
+            self.prepared[load] = get_samples(args, tok)
+        self.prepare_seconds += time.monotonic() - t0
+
+    def run(self, load: Load) -> dict[str, Any]:
+        from vllm.benchmarks import serve  # type: ignore[import-not-found]
+
+        self.prepare(load)
+        requests, tok = self.prepared.pop(load), self.tokenizer_()
+        args = self.parser.parse_args(self.argv(load))
+        saved = serve.get_samples, serve.get_tokenizer
+        serve.get_samples = lambda _args, _tok: requests
+        serve.get_tokenizer = lambda *_a, **_k: tok
+        try:
+            with open(self.log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                result = self.main(args)
+        finally:
+            serve.get_samples, serve.get_tokenizer = saved
         return {k: result.get(k) for k in KEYS}
 
 
@@ -122,6 +174,14 @@ class HttpClient:
     def __init__(self, base_url: str, model: str) -> None:
         self.url = f"{base_url}/v1/completions"
         self.model = model
+        self.prepared: dict[Load, list[list[int]]] = {}
+        self.prepare_seconds = 0.0
+
+    def prepare(self, load: Load) -> None:
+        if load not in self.prepared:
+            t0 = time.monotonic()
+            self.prepared[load] = _prompts(load)
+            self.prepare_seconds += time.monotonic() - t0
 
     def _one(self, prompt: list[int], max_tokens: int) -> tuple[float, int] | None:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
@@ -136,7 +196,8 @@ class HttpClient:
         return time.perf_counter() - t0, int(out.get("usage", {}).get("completion_tokens", 0))
 
     def run(self, load: Load) -> dict[str, Any]:
-        prompts = _prompts(load)
+        self.prepare(load)
+        prompts = self.prepared.pop(load)
         lock = threading.Lock()
         done: list[tuple[float, int]] = []
         failed = 0

@@ -153,6 +153,27 @@ def _others(p: dict[str, Any]) -> str:
     )
 
 
+def _sized(a: dict[str, Any]) -> str:
+    fixed = a.get("num_prompts") not in (None, "0", 0)
+    return "fixed by --num-prompts" if fixed else f"calibrated to {a.get('round_seconds')} s"
+
+
+def _overhead(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Where a pair's time went besides the client's runs: toggles with their proofs, the settle,
+    the meter's wait after on rounds."""
+    timed = [r for r in rows if "elapsed_s" in r]
+    pairs = len({r["pair"] for r in timed})
+    if not pairs:
+        return []
+    per_pair = sum(r["elapsed_s"] for r in timed) / pairs
+    client = sum(r["wall_s"] for r in timed) / pairs
+    return [
+        f"* Time per pair: {per_pair:.1f} s, of which the client's two runs {client:.1f} s and the rest "
+        f"{per_pair - client:.1f} s (toggles and their proofs, settle, the meter's wait); every round's requests "
+        f"sampled before the rounds in {result.get('presample_s', 0.0)} s."
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     s, rows, a = result["summary"], result.get("rounds", []), result.get("args", {})
     cal = result.get("calibration", {})
@@ -161,7 +182,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"# kvwatch's cost to a running engine — {time.strftime('%Y-%m-%d %H:%M')} — kernel {platform.release()}",
         f"engine {a.get('engine')}, client {a.get('client')}, dataset {a.get('dataset')}, concurrency "
-        f"{a.get('concurrency')}, {cal.get('num_prompts')} prompts a round (calibrated to {a.get('round_seconds')} s), "
+        f"{a.get('concurrency')}, {cal.get('num_prompts')} prompts a round ({_sized(a)}), "
         f"settle {a.get('settle')} s after every proven toggle; {s['pairs']} ABBA pairs; ratios of means over the "
         "pairs with a percentile bootstrap 95 % interval (10,000 resamples of whole pairs)",
         "",
@@ -191,6 +212,7 @@ def render(result: dict[str, Any]) -> str:
         f"{p['on_still_tapped_after']} still so after the round ({p['on_rounds_with_probes_shed']} had probes shed "
         "by kvwatch's cost budget by its end).",
         *_toggles(rows),
+        *_overhead(result, rows),
         *(f"* Note: {n}" for n in result.get("notes", [])),
         "",
         "Per round:",

@@ -142,6 +142,14 @@ class Daemon:
             self.shutdown()
 
     def shutdown(self) -> None:
-        self.server.stop()
-        self.agent.close()
+        """Stop serving and close the agent side by side: the HTTP server leaves its loop only at
+        its next poll (up to half a second) and the agent's close waits seconds for the kernel to
+        release its uprobes, so neither waits for the other. Returns when both are done; the
+        server only ever reads published snapshots, which closing the agent leaves intact."""
+        stopping = threading.Thread(target=self.server.stop, name="kvwatch-http-stop")
+        stopping.start()
+        try:
+            self.agent.close()
+        finally:
+            stopping.join()
         log.info("stopped: probes detached, alert sinks flushed")

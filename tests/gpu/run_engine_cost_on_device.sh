@@ -8,7 +8,8 @@
 #   4.   carry [".gpu-bundle", ".whl"], timeout_s 600,
 #        command: bash tests/gpu/run_engine_cost_on_device.sh
 #        (knobs, as environment in front: PAIRS=8 ROUND_SECONDS=16 SETTLE=3 DATASET=prefix_repetition
-#         CONCURRENCY=16 DEADLINE=565; ARGS="..." for any other flag of the bench)
+#         CONCURRENCY=16 DEADLINE=565; ARGS="..." for any other flag of the bench: ARGS="--num-prompts 640"
+#         fixes the round size, so that every round's requests are sampled while vLLM starts)
 #
 # In the call: the bench starts vLLM at once (prefix caching, the CPU offloading connector, KV events,
 # /tmp/tiny with dummy weights: tests/gpu/vllm_harness.vllm_argv) and imports vLLM's client while it
