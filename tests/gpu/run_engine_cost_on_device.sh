@@ -3,7 +3,7 @@
 # after the vLLM bundle is unpacked. Back to back (the machine keeps /tmp only while it stays warm):
 #
 #   1-2. carry [".vllm-bundle/parts/bundle.part00"], command: bash tests/gpu/run_vllm_on_device.sh part 00   (then 01)
-#   3.   carry [".vllm-bundle/parts/bundle.part02", ".vllm-bundle/make_tiny_model.py"]
+#   3.   carry [".vllm-bundle/parts/bundle.part02", ".vllm-bundle/make_tiny_model.py", ".tools/py-spy"]
 #        command: bash tests/gpu/run_vllm_on_device.sh unpack 02
 #   4.   carry [".gpu-bundle", ".whl"], timeout_s 600,
 #        command: bash tests/gpu/run_engine_cost_on_device.sh
@@ -15,7 +15,7 @@
 # /tmp/tiny with dummy weights: tests/gpu/vllm_harness.vllm_argv) and imports vLLM's client while it
 # starts (~50 s of the ~90-100 s to /health); meanwhile this script installs kvwatch's wheels and
 # unpacks bcc, which kvwatch's first start (after /health and a warm-up round) needs. Then ABBA pairs
-# until the deadline. Comes back in $OUT: engine_cost.json, engine_cost.md, engine_cost_logs.tar.gz.
+# until the deadline. Comes back in $OUT: engine_cost.json, engine_cost.md, engine_cost_logs.tar.gz, daemon_profile.tar.gz.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -46,6 +46,41 @@ for d in daemon probes exporters; do ln -sfn "$here/$d" "/tmp/kvpkg/kvwatch/$d";
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r
 PYTHONPATH=/tmp/kvpkg:/tmp/site:$here .gpu-bundle/with-bcc python3 -c 'import bcc, kvwatch.probes.cuda; print("bcc", bcc.__version__)' \
     || { echo "bcc or kvwatch does not import: stopping the bench"; kill "$bench"; }
+# Where the daemon's own CPU goes under the load: py-spy (carried to /tmp/pyspy by the unpack call, when
+# it was) samples a daemon that has run >= 20 s, once after PROFILE_AT s and again PROFILE_GAP s later,
+# beside its threads' CPU from /proc before and after. Without py-spy, the threads' CPU alone.
+prof=/tmp/kvw-daemon-profile
+mkdir -p "$prof"
+threads_cpu() {  # tid, name, utime+stime ticks
+    for t in /proc/$1/task/*; do
+        printf '%s %s %s\n' "${t##*/}" "$(tr ' ' _ < "$t/comm")" "$(awk '{print $14+$15}' "$t/stat")"
+    done 2>/dev/null
+}
+profile_daemon() {
+    local n=$1 at=$2 pid
+    sleep "$at"
+    for _ in $(seq 60); do
+        pid=$(pgrep -nf -- '-m kvwatch[.]daemon' || true)
+        if [ -n "$pid" ] && [ "$(ps -o etimes= -p "$pid" | tr -d ' ')" -ge 20 ] 2>/dev/null; then break; fi
+        pid=""; sleep 3
+    done
+    [ -n "$pid" ] || { echo "profile $n: no daemon" > "$prof/daemon_profile_$n.txt"; return; }
+    { echo "pid $pid at $(date +%s)"; threads_cpu "$pid"; } > "$prof/daemon_threads_$n.txt"
+    if [ -x /tmp/pyspy/py-spy ]; then
+        /tmp/pyspy/py-spy dump -p "$pid" > "$prof/daemon_dump_$n.txt" 2>&1
+        /tmp/pyspy/py-spy record -p "$pid" -d "${PROFILE_SECONDS:-40}" -r 67 --threads --nonblocking -f raw \
+            -o "$prof/daemon_profile_$n.txt" > /dev/null 2>&1
+    else
+        sleep "${PROFILE_SECONDS:-40}"
+    fi
+    { echo "after at $(date +%s)"; threads_cpu "$pid"; } >> "$prof/daemon_threads_$n.txt"
+}
+( profile_daemon 1 "${PROFILE_AT:-240}" ) > /dev/null 2>&1 &
+prof1=$!
+( profile_daemon 2 $(( ${PROFILE_AT:-240} + ${PROFILE_GAP:-170} )) ) > /dev/null 2>&1 &
+prof2=$!
 wait "$bench"
 echo "bench exit $?"
+pkill -P "$prof1" 2>/dev/null; pkill -P "$prof2" 2>/dev/null; kill "$prof1" "$prof2" 2>/dev/null
+tar -C "$prof" -czf "$out/daemon_profile.tar.gz" . # at most 8 files come back from $OUT
 tail -c 9000 /tmp/engine_cost.log

@@ -3,7 +3,8 @@
 # to back: the machine keeps /tmp only while it stays warm (30 s after a call).
 #
 #   1-2. carry [".vllm-bundle/parts/bundle.part00"], command: bash tests/gpu/run_vllm_on_device.sh part 00   (then 01)
-#   3.   carry [".vllm-bundle/parts/bundle.part02", ".vllm-bundle/make_tiny_model.py"]
+#   3.   carry [".vllm-bundle/parts/bundle.part02", ".vllm-bundle/make_tiny_model.py"] (and ".tools/py-spy"
+#        for the engine-cost call's daemon profile)
 #        command: bash tests/gpu/run_vllm_on_device.sh unpack 02
 #   4.   carry [".gpu-bundle", ".whl"], command: bash tests/gpu/run_vllm_on_device.sh first
 #   5.   command: bash tests/gpu/run_vllm_on_device.sh second      (kvwatch, vLLM and the subscriber
@@ -39,6 +40,8 @@ case "$step" in
         time (cat /tmp/b/bundle.part* | xz -d -T0 | tar -xf - -C /tmp/vsite) || exit 1
         rm -rf /tmp/b
         python3 .vllm-bundle/make_tiny_model.py /tmp/tiny || exit 1
+        # py-spy for the engine-cost call's daemon profile, when carried (.tools/py-spy, from its wheel)
+        if [ -x .tools/py-spy ]; then mkdir -p /tmp/pyspy && cp .tools/py-spy /tmp/pyspy/; fi
         PYTHONPATH=/tmp/vsite python3 -c 'import vllm, msgspec, zmq; print("vllm", vllm.__version__)'
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         df -h /tmp | tail -1
