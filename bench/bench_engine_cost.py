@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import signal
 import socket
@@ -79,6 +80,7 @@ class Kvwatch:
         self.cmd = shlex.split(args.kvwatch_cmd) if args.kvwatch_cmd else kvwatch_argv()[:3]
         self.port, self.sets, self.logs = args.kvwatch_port, tuple(args.kvwatch_set), logs
         self.tolerate = args.tolerate_other_kvwatch
+        self.pin = args.pin
         self.pid: int | None = None
         self.held: set[int] = set()
         self.starts = 0
@@ -101,7 +103,7 @@ class Kvwatch:
         self.starts += 1
         if port_taken(self.port):  # its /metrics would be read as this daemon's
             raise RuntimeError(f"something already listens on 127.0.0.1:{self.port}: pick --kvwatch-port")
-        argv = [*self.cmd, *kvwatch_argv(self.port, self.sets)[3:]]
+        argv = pinned([*self.cmd, *kvwatch_argv(self.port, self.sets)[3:]], self.pin, 2)
         log = self.logs / f"kvwatch-{self.starts}.log"
         pid = self.pid = start_session(argv, log, cwd=self.logs)
         wait_until(lambda: kvwatch_ready(self.port) or not alive(pid), 120, "kvwatch /readyz")
@@ -137,6 +139,27 @@ class Kvwatch:
         return {str(p): value(s, METER, pid=str(p)) for p in pids}
 
 
+def pinned(argv: list[str], pin: str | None, part: int) -> list[str]:
+    """``argv`` under ``taskset`` on part ``part`` of ``--pin ENGINE:CLIENT:DAEMON`` (CPU lists): the
+    engine's processes and threads, the bench's client and kvwatch's daemon each on their own CPUs, so
+    that neither the client nor the daemon takes the engine's cores from it."""
+    return ["taskset", "-c", pin.split(":")[part], *argv] if pin else argv
+
+
+def pin_self(pin: str | None) -> None:
+    """This process (the client) on its CPUs, every thread it has and will start."""
+    if pin:
+        cpus = {c for span in pin.split(":")[1].split(",") for c in cpu_span(span)}
+        for tid in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid.name), cpus)
+
+
+def cpu_span(span: str) -> range:
+    lo, _, hi = span.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
 def port_taken(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -167,7 +190,7 @@ def start_engine(args: argparse.Namespace, work: Path) -> int:
         from tests.support.vllm_bench_standin import install
 
         argv = [str(install(work)), *argv[3:]]
-    return start_session(argv, work / "engine.log", env=env)
+    return start_session(pinned(argv, args.pin, 0), work / "engine.log", env=env)
 
 
 def engine_cores(api: int, wait: float) -> list[int]:
@@ -192,9 +215,11 @@ def per_1000(seconds: float, completed: float) -> float:
     return 1000.0 * seconds / completed if completed else float("nan")
 
 
-def round_load(ctx: dict[str, Any], index: int) -> Load:
+def round_load(ctx: dict[str, Any], pair: int) -> Load:
+    """Both rounds of a pair send the same requests (the pair's own seed): a pair's ratio then
+    compares the same work, and only the rounds' order and the machine differ."""
     load: Load = ctx["load"]
-    return load.with_(seed=ctx["args"].seed + 1 + index)
+    return load.with_(seed=ctx["args"].seed + 1 + pair)
 
 
 def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str, Any]:
@@ -207,7 +232,7 @@ def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str,
     if on:
         row["tapped_before"] = kv.tapped(api, cores)
         m0, d0 = kv.meter([api, *cores]), process_cpu(kv.pid or 0)
-    load = round_load(ctx, index)
+    load = round_load(ctx, pair)
     c0, t0 = cpu_snapshot(api), time.monotonic()
     res = ctx["client"].run(load)
     c1, wall = cpu_snapshot(api), time.monotonic() - t0
@@ -218,6 +243,10 @@ def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str,
     row.update(seed=load.seed, num_prompts=load.num_prompts, wall_s=round(wall, 2), result=res, cpu=cpu)
     row.update(cpu_s_per_1000=per_1000(cpu["total"], done), cpu_api_s_per_1000=per_1000(api_s, done))
     row["cpu_core_s_per_1000"] = per_1000(core_s, done)
+    # cores kept busy over the client's run: an EngineCore near 1.0 is CPU-bound (its loop is one thread),
+    # and its CPU per request is then the inverse of its throughput
+    row.update(cpu_cores_busy=cpu["total"] / wall if wall else float("nan"))
+    row.update(core_cores_busy=core_s / wall if wall else float("nan"))
     if on:
         time.sleep(2.5)  # the daemon's ticks after the last request: every trapped call accounted
         m1 = kv.meter([api, *cores])
@@ -253,8 +282,8 @@ def presample(ctx: dict[str, Any], out: dict[str, Any]) -> None:
     pays only for its requests. With --num-prompts this runs while the engine starts."""
     client: Client = ctx["client"]
     t0 = time.monotonic()
-    for index in range(2 * ctx["args"].pairs):
-        client.prepare(round_load(ctx, index))
+    for pair in range(ctx["args"].pairs):
+        client.prepare(round_load(ctx, pair))
     out["presample_s"] = round(out.get("presample_s", 0.0) + time.monotonic() - t0, 1)
 
 
@@ -328,6 +357,10 @@ def options() -> argparse.Namespace:
     ap.add_argument("--input-len", type=int, default=512, help="--dataset random")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--pin",
+        help="ENGINE:CLIENT:DAEMON CPU lists (taskset -c syntax, e.g. 0-7:8-11:12-15): each on its own CPUs",
+    )
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds this run may take")
     ap.add_argument("--model", default="/tmp/tiny")
     ap.add_argument("--served-model-name", default="tiny")
@@ -348,6 +381,9 @@ def options() -> argparse.Namespace:
 
 def main() -> None:
     args = options()
+    if args.pin and len(args.pin.split(":")) != 3:
+        raise SystemExit(f"--pin {args.pin!r}: ENGINE:CLIENT:DAEMON, three CPU lists")
+    pin_self(args.pin)
     # SIGTERM (the device call's end, a kill) unwinds through the finally blocks: results written,
     # kvwatch and the engine stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

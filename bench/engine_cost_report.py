@@ -20,6 +20,7 @@ FIGURES = (
     ("cpu_s_per_1000", "engine CPU s per 1,000 requests (all its processes)"),
     ("cpu_api_s_per_1000", "of that, the API server"),
     ("cpu_core_s_per_1000", "of that, the EngineCore process(es)"),
+    ("core_cores_busy", "EngineCore CPU s per wall s (1.0: a core kept busy)"),
 )
 
 
@@ -39,6 +40,11 @@ def pairs(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
 def _mean(v: list[float]) -> float:
     v = [x for x in v if not math.isnan(x)]
     return sum(v) / len(v) if v else math.nan
+
+
+def _ratio(rows: list[dict[str, Any]], num: str, den: str) -> float:
+    d = sum(r.get(den, math.nan) for r in rows if num in r)
+    return sum(r[num] for r in rows if num in r) / d if d else math.nan
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -64,6 +70,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "figures": figures,
         "cpu_diff_vs_meter_s_per_1000": beside,
         "daemon_cpu_s_per_1000": _mean([r.get("daemon_cpu_s_per_1000", math.nan) for r in on]),
+        "meter_share_of_core": _ratio(on, "meter_core_s_per_1000", "cpu_core_s_per_1000"),
         "proofs": proofs,
     }
 
@@ -153,6 +160,24 @@ def _others(p: dict[str, Any]) -> str:
     )
 
 
+def _bound(s: dict[str, Any]) -> list[str]:
+    """What the EngineCore's busy share says about reading its CPU per request."""
+    busy = s["figures"].get("core_cores_busy")
+    share = s.get("meter_share_of_core", math.nan)
+    if not busy:
+        return []
+    line = (
+        f"* The EngineCore kept {_f(busy['off_mean'], 2)} cores busy off and {_f(busy['on_mean'], 2)} on; kvwatch's "
+        f"meter is {_f(100 * share, 3)} % of its CPU in the on rounds."
+    )
+    if busy["off_mean"] >= 0.95:
+        line += (
+            " Its engine loop is one thread kept busy whatever the load, so its CPU per request is the inverse of "
+            "its throughput: a probe's cost in it shows as throughput, and both ratios carry the machine's noise."
+        )
+    return [line]
+
+
 def _sized(a: dict[str, Any]) -> str:
     fixed = a.get("num_prompts") not in (None, "0", 0)
     return "fixed by --num-prompts" if fixed else f"calibrated to {a.get('round_seconds')} s"
@@ -205,6 +230,7 @@ def render(result: dict[str, Any]) -> str:
         "scrapes and its KV event subscription cost the engine.",
         f"* kvwatch's daemon itself used {_f(s['daemon_cpu_s_per_1000'])} CPU s per 1,000 requests (not in the "
         "engine's figures).",
+        *_bound(s),
         f"* Proofs: {p['off_proven_clean']} of {p['off_rounds']} off rounds began with kvwatch proven gone (daemon "
         "reaped, none of its BPF programs loaded, no uprobe of it in tracefs, no unheld kvw_* program); "
         f"{_others(p)}{p['on_proven_tapped']} of {p['on_rounds']} on rounds began with the engine's processes watched, CUDA "

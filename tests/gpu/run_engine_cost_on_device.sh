@@ -8,7 +8,7 @@
 #   4.   carry [".gpu-bundle", ".whl"], timeout_s 600,
 #        command: bash tests/gpu/run_engine_cost_on_device.sh
 #        (knobs, as environment in front: PAIRS=8 ROUND_SECONDS=16 SETTLE=3 DATASET=prefix_repetition
-#         CONCURRENCY=16 DEADLINE=565; ARGS="..." for any other flag of the bench: ARGS="--num-prompts 640"
+#         CONCURRENCY=16 DEADLINE=565 PIN=0-7:8-11:12-15 PROFILE_AT=150; ARGS="..." for any other flag of the bench: ARGS="--num-prompts 640"
 #         fixes the round size, so that every round's requests are sampled while vLLM starts)
 #
 # In the call: the bench starts vLLM at once (prefix caching, the CPU offloading connector, KV events,
@@ -17,6 +17,7 @@
 # unpacks bcc, which kvwatch's first start (after /health and a warm-up round) needs. Then ABBA pairs
 # until the deadline. Comes back in $OUT: engine_cost.json, engine_cost.md, engine_cost_logs.tar.gz, daemon_profile.tar.gz.
 set -uo pipefail
+PIN=${PIN-0-7:8-11:12-15}  # engine:client:daemon CPUs of the 16 (PIN= for none)
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 here=$PWD
@@ -34,7 +35,7 @@ VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 python3 bench/bench_engine_cost.py \
     --engine vllm --client vllm --out "$out" --work /tmp/kvw-engine-cost --kvwatch-cmd /tmp/kvwatch-daemon \
     --pairs "${PAIRS:-8}" --round-seconds "${ROUND_SECONDS:-16}" --settle "${SETTLE:-3}" \
     --dataset "${DATASET:-prefix_repetition}" --concurrency "${CONCURRENCY:-16}" --deadline "${DEADLINE:-565}" \
-    ${ARGS:-} > /tmp/engine_cost.log 2>&1 &
+    ${PIN:+--pin "$PIN"} ${ARGS:-} > /tmp/engine_cost.log 2>&1 &
 bench=$!
 
 if [ ! -e /tmp/site/.done ]; then
@@ -47,40 +48,42 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; u
 PYTHONPATH=/tmp/kvpkg:/tmp/site:$here .gpu-bundle/with-bcc python3 -c 'import bcc, kvwatch.probes.cuda; print("bcc", bcc.__version__)' \
     || { echo "bcc or kvwatch does not import: stopping the bench"; kill "$bench"; }
 # Where the daemon's own CPU goes under the load: py-spy (carried to /tmp/pyspy by the unpack call, when
-# it was) samples a daemon that has run >= 20 s, once after PROFILE_AT s and again PROFILE_GAP s later,
-# beside its threads' CPU from /proc before and after. Without py-spy, the threads' CPU alone.
+# it was) samples the first daemon started after PROFILE_AT s through its whole life, in consecutive
+# chunks of PROFILE_CHUNK s (its start round, then its kept round), with its threads' CPU from /proc at
+# every chunk's start. Without py-spy, the threads' CPU alone.
 prof=/tmp/kvw-daemon-profile
 mkdir -p "$prof"
-threads_cpu() {  # tid, name, utime+stime ticks
-    for t in /proc/$1/task/*; do
-        printf '%s %s %s\n' "${t##*/}" "$(tr ' ' _ < "$t/comm")" "$(awk '{print $14+$15}' "$t/stat")"
-    done 2>/dev/null
+threads_cpu() {  # tid, utime+stime ticks
+    for t in /proc/$1/task/*; do printf '%s %s\n' "${t##*/}" "$(awk '{print $14+$15}' "$t/stat")"; done 2>/dev/null
 }
 profile_daemon() {
-    local n=$1 at=$2 pid
-    sleep "$at"
-    for _ in $(seq 60); do
+    local pid="" age k=0
+    sleep "${PROFILE_AT:-150}"
+    for _ in $(seq 200); do  # a daemon younger than 6 s: its life from the start
         pid=$(pgrep -nf -- '-m kvwatch[.]daemon' || true)
-        if [ -n "$pid" ] && [ "$(ps -o etimes= -p "$pid" | tr -d ' ')" -ge 20 ] 2>/dev/null; then break; fi
-        pid=""; sleep 3
+        age=$( [ -n "$pid" ] && ps -o etimes= -p "$pid" | tr -d ' ')
+        [ -n "$pid" ] && [ -n "$age" ] && [ "$age" -lt 6 ] && break
+        pid=""; sleep 1
     done
-    [ -n "$pid" ] || { echo "profile $n: no daemon" > "$prof/daemon_profile_$n.txt"; return; }
-    { echo "pid $pid at $(date +%s)"; threads_cpu "$pid"; } > "$prof/daemon_threads_$n.txt"
-    if [ -x /tmp/pyspy/py-spy ]; then
-        /tmp/pyspy/py-spy dump -p "$pid" > "$prof/daemon_dump_$n.txt" 2>&1
-        /tmp/pyspy/py-spy record -p "$pid" -d "${PROFILE_SECONDS:-40}" -r 67 --threads --nonblocking -f raw \
-            -o "$prof/daemon_profile_$n.txt" > /dev/null 2>&1
-    else
-        sleep "${PROFILE_SECONDS:-40}"
-    fi
-    { echo "after at $(date +%s)"; threads_cpu "$pid"; } >> "$prof/daemon_threads_$n.txt"
+    [ -n "$pid" ] || { echo "no daemon" > "$prof/none.txt"; return; }
+    while [ -d "/proc/$pid" ] && [ "$k" -lt 12 ]; do
+        { echo "chunk $k at $(date +%s.%N) age $(ps -o etimes= -p "$pid")"; threads_cpu "$pid"; } >> "$prof/threads.txt"
+        python3 -c "import sys, urllib.request as u; sys.stdout.buffer.write(u.urlopen('http://127.0.0.1:9740/metrics', timeout=2).read())" \
+            > "$prof/metrics_$k.txt" 2>/dev/null
+        if [ -x /tmp/pyspy/py-spy ]; then
+            [ "$k" = 2 ] && /tmp/pyspy/py-spy dump -p "$pid" > "$prof/dump.txt" 2>&1
+            /tmp/pyspy/py-spy record -p "$pid" -d "${PROFILE_CHUNK:-6}" -r 67 --threads --nonblocking -f raw \
+                -o "$prof/chunk_$k.txt" > /dev/null 2>&1
+        else
+            sleep "${PROFILE_CHUNK:-6}"
+        fi
+        k=$((k + 1))
+    done
 }
-( profile_daemon 1 "${PROFILE_AT:-240}" ) > /dev/null 2>&1 &
-prof1=$!
-( profile_daemon 2 $(( ${PROFILE_AT:-240} + ${PROFILE_GAP:-170} )) ) > /dev/null 2>&1 &
-prof2=$!
+( profile_daemon ) > /dev/null 2>&1 &
+profiler=$!
 wait "$bench"
 echo "bench exit $?"
-pkill -P "$prof1" 2>/dev/null; pkill -P "$prof2" 2>/dev/null; kill "$prof1" "$prof2" 2>/dev/null
+pkill -P "$profiler" 2>/dev/null; kill "$profiler" 2>/dev/null
 tar -C "$prof" -czf "$out/daemon_profile.tar.gz" . # at most 8 files come back from $OUT
 tail -c 9000 /tmp/engine_cost.log

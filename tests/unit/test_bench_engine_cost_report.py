@@ -82,3 +82,18 @@ def test_render_names_every_figure_and_round() -> None:
     assert text.count("| start, tapped |") == 4 and text.count("| stop, clean |") == 4
     assert "shed 1" in text
     assert rep.render({"summary": rep.summarize([]), "rounds": []}).startswith("# kvwatch's cost")
+
+
+def test_a_busy_engine_core_is_read_as_cpu_bound_and_the_meter_is_set_against_its_cpu() -> None:
+    rows = _rows()
+    for r in rows:
+        r["core_cores_busy"] = 1.02
+    s = rep.summarize(rows)
+    on = [r for r in rows if r["kvwatch"]]
+    assert s["meter_share_of_core"] == pytest.approx(0.2 * len(on) / sum(r["cpu_core_s_per_1000"] for r in on))
+    text = rep.render({"summary": s, "rounds": rows, "args": {}})
+    assert "kept 1.02 cores busy off and 1.02 on" in text
+    assert "inverse of its throughput" in text  # 0.95+ cores: one busy loop
+    for r in rows:
+        r["core_cores_busy"] = 0.5
+    assert "inverse of its throughput" not in rep.render({"summary": rep.summarize(rows), "rounds": rows, "args": {}})
