@@ -49,7 +49,17 @@ sys.path.insert(0, str(HERE))
 
 import engine_cost_report
 from engine_clients import Client, HttpClient, Load, VllmClient
-from engine_procs import comm, cpu_between, cpu_snapshot, held_programs, process_cpu, prove_off, tree
+from engine_procs import (
+    comm,
+    cpu_between,
+    cpu_snapshot,
+    held_programs,
+    process_cpu,
+    prove_off,
+    thread_snapshot,
+    threads_between,
+    tree,
+)
 from pairstats import abba
 
 from tests.gpu.vllm_harness import (
@@ -233,9 +243,10 @@ def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str,
         row["tapped_before"] = kv.tapped(api, cores)
         m0, d0 = kv.meter([api, *cores]), process_cpu(kv.pid or 0)
     load = round_load(ctx, pair)
-    c0, t0 = cpu_snapshot(api), time.monotonic()
+    c0, th0, t0 = cpu_snapshot(api), thread_snapshot(cores), time.monotonic()
     res = ctx["client"].run(load)
-    c1, wall = cpu_snapshot(api), time.monotonic() - t0
+    c1, th1, wall = cpu_snapshot(api), thread_snapshot(cores), time.monotonic() - t0
+    row["core_threads_cpu_s"] = threads_between(th0, th1)  # where in the EngineCore a difference lands
     cpu = cpu_between(c0, c1)
     core_s = sum(v for p, v in cpu["per_pid"].items() if int(p) in cores)
     api_s = cpu["per_pid"].get(str(api), 0.0)

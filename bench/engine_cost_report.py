@@ -178,6 +178,34 @@ def _bound(s: dict[str, Any]) -> list[str]:
     return [line]
 
 
+def _threads(rows: list[dict[str, Any]], top: int = 8) -> list[str]:
+    """The EngineCore's threads by name, each one's CPU per wall second in the off and on rounds."""
+    busy: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    for r in rows:
+        for name, cpu in r.get("core_threads_cpu_s", {}).items():
+            busy[r["kvwatch"]].setdefault(name, []).append(cpu / r["wall_s"] if r["wall_s"] else math.nan)
+    names = set(busy[False]) | set(busy[True])
+    if not names:
+        return []
+    mean = {(on, n): _mean(busy[on].get(n, [])) for on in (False, True) for n in names}
+    order = sorted(names, key=lambda n: -max(_nz(mean[False, n]), _nz(mean[True, n])))[:top]
+    return [
+        "",
+        "The EngineCore's threads by name (threads of one name summed), CPU s per wall s, mean over rounds:",
+        "",
+        "| thread | off | on | on - off |",
+        "| --- | ---: | ---: | ---: |",
+        *(
+            f"| {n} | {_f(mean[False, n], 4)} | {_f(mean[True, n], 4)} | {_f(mean[True, n] - mean[False, n], 4)} |"
+            for n in order
+        ),
+    ]
+
+
+def _nz(v: float) -> float:
+    return 0.0 if math.isnan(v) else v
+
+
 def _sized(a: dict[str, Any]) -> str:
     fixed = a.get("num_prompts") not in (None, "0", 0)
     return "fixed by --num-prompts" if fixed else f"calibrated to {a.get('round_seconds')} s"
@@ -231,6 +259,7 @@ def render(result: dict[str, Any]) -> str:
         f"* kvwatch's daemon itself used {_f(s['daemon_cpu_s_per_1000'])} CPU s per 1,000 requests (not in the "
         "engine's figures).",
         *_bound(s),
+        *_threads(rows),
         f"* Proofs: {p['off_proven_clean']} of {p['off_rounds']} off rounds began with kvwatch proven gone (daemon "
         "reaped, none of its BPF programs loaded, no uprobe of it in tracefs, no unheld kvw_* program); "
         f"{_others(p)}{p['on_proven_tapped']} of {p['on_rounds']} on rounds began with the engine's processes watched, CUDA "

@@ -42,8 +42,12 @@ PROGRAM_PREFIX = "kvw_"  # every kvwatch BPF program (probes/*.bpf.c): the kerne
 # --- CPU time of a process tree -----------------------------------------------------------------------
 def _stat(pid: int) -> tuple[int, int, float, float, str] | None:
     """(ppid, start time in ticks, own CPU s, reaped children's CPU s, comm), None when gone."""
+    return _stat_path(PROC / str(pid) / "stat")
+
+
+def _stat_path(path: Path) -> tuple[int, int, float, float, str] | None:
     try:
-        text = (PROC / str(pid) / "stat").read_text()
+        text = path.read_text()
     except OSError:
         return None
     comm = text[text.index("(") + 1 : text.rindex(")")]
@@ -94,6 +98,29 @@ def cpu_between(a: CpuSnapshot, b: CpuSnapshot) -> dict[str, Any]:
         "comm": {str(p): b[p][3] for p in per},
         "gone": sorted(set(a) - set(b)),
     }
+
+
+ThreadSnapshot = dict[int, tuple[str, float]]  # tid -> (thread name, CPU s)
+
+
+def thread_snapshot(pids: list[int]) -> ThreadSnapshot:
+    """Every thread of ``pids``: its name (comm) and CPU seconds so far."""
+    out: ThreadSnapshot = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for t in (PROC / str(pid) / "task").iterdir():
+                if (s := _stat_path(t / "stat")) is not None:
+                    out[int(t.name)] = (s[4], s[2])
+    return out
+
+
+def threads_between(a: ThreadSnapshot, b: ThreadSnapshot) -> dict[str, float]:
+    """CPU seconds per thread name from ``a`` to ``b`` (threads of one name summed; a thread new in
+    ``b`` counts whole, one gone by ``b`` is left out)."""
+    out: dict[str, float] = {}
+    for tid, (name, cpu) in b.items():
+        out[name] = out.get(name, 0.0) + cpu - (a[tid][1] if tid in a else 0.0)
+    return {k: round(v, 3) for k, v in sorted(out.items())}
 
 
 def process_cpu(pid: int) -> float:

@@ -97,3 +97,12 @@ def test_a_busy_engine_core_is_read_as_cpu_bound_and_the_meter_is_set_against_it
     for r in rows:
         r["core_cores_busy"] = 0.5
     assert "inverse of its throughput" not in rep.render({"summary": rep.summarize(rows), "rounds": rows, "args": {}})
+
+
+def test_the_engine_core_threads_are_set_side_by_side() -> None:
+    rows = _rows()
+    for r in rows:
+        r["core_threads_cpu_s"] = {"VLLM::EngineCor": 20.0, "ZMQbg/IO/0": 0.4 if r["kvwatch"] else 0.2}
+    text = rep.render({"summary": rep.summarize(rows), "rounds": rows, "args": {}})
+    assert "| VLLM::EngineCor | 1.0000 | 1.0000 | 0.0000 |" in text  # 20 s over a 20 s round
+    assert "| ZMQbg/IO/0 | 0.0100 | 0.0200 | 0.0100 |" in text

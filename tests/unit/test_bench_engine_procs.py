@@ -22,3 +22,9 @@ def test_a_reused_pid_is_a_new_process() -> None:
     a = {20: (100, 50.0, 0.0, "old")}
     b = {20: (900, 0.5, 0.0, "new")}  # same pid, another start time
     assert procs.cpu_between(a, b)["total"] == pytest.approx(0.5)
+
+
+def test_thread_cpu_is_summed_by_name_and_a_new_thread_counts_whole() -> None:
+    a = {1: ("VLLM::EngineCor", 10.0), 2: ("ZMQbg/IO/0", 1.0), 3: ("gone", 5.0)}
+    b = {1: ("VLLM::EngineCor", 12.5), 2: ("ZMQbg/IO/0", 1.25), 4: ("ZMQbg/IO/0", 0.5)}
+    assert procs.threads_between(a, b) == {"VLLM::EngineCor": 2.5, "ZMQbg/IO/0": 0.75}
