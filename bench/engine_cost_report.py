@@ -199,6 +199,7 @@ def _threads(rows: list[dict[str, Any]], top: int = 8) -> list[str]:
             f"| {n} | {_f(mean[False, n], 4)} | {_f(mean[True, n], 4)} | {_f(mean[True, n] - mean[False, n], 4)} |"
             for n in order
         ),
+        "",
     ]
 
 
