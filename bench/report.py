@@ -63,15 +63,22 @@ NOT_RUN = {
 
 
 def engine_cost(text: str) -> str:
-    """The on/off ratios of the engine's CPU per request and its request throughput."""
+    """The on/off ratios of request throughput and of the engine's CPU per request with their
+    intervals, the EngineCore's busy cores, and kvwatch's meter as a share of its CPU."""
     table = rows(text)
-    cpu, rps = cell(table, "engine CPU s per 1,000", 3), cell(table, "requests/s", 3)
+    rps, cpu = cell(table, "requests/s", 3), cell(table, "engine CPU s per 1,000", 3)
     if "not measured" in (cpu, rps):
         return "not measured (device time)"
-    return (
-        f"engine CPU per request x {cpu} ({cell(table, 'engine CPU s per 1,000', 4)}), requests/s x {rps} "
-        f"({cell(table, 'requests/s', 4)}) (bench/results/engine_cost.md)"
+    out = (
+        f"requests/s x {rps} ({cell(table, 'requests/s', 4)}), engine CPU per request x {cpu} "
+        f"({cell(table, 'engine CPU s per 1,000', 4)})"
     )
+    busy = cell(table, "EngineCore CPU s per wall s", 3)
+    if busy != "not measured":
+        out += f", EngineCore CPU per second x {busy} ({cell(table, 'EngineCore CPU s per wall s', 4)})"
+    if m := re.search(r"The EngineCore kept ([0-9.]+) cores busy off .*?meter is ([0-9.]+) % of its CPU", text):
+        out += f"; the EngineCore is CPU-bound ({m[1]} cores busy) and kvwatch's meter is {m[2]} % of its CPU"
+    return out + " (bench/results/engine_cost.md)"
 
 
 def kv_table(text: str) -> dict[str, str]:
