@@ -20,6 +20,9 @@ loss ledger's offload drops): two media's memories in one stream.
 N groups in each medium, the last full attention, the others sliding-window, at the same 1M
 blocks/s announced in all (so each group's share of the blocks is 1/N).
 
+``--step N`` stores and removes N blocks an event (32 by default; 1 is the worst case for the
+per-call costs: vLLM announces each block that fills during decoding in an event of its own).
+
 ``--seconds`` is stream time at 1M blocks/s; the run takes as long as this process needs to
 account that many blocks (it reports its own blocks/s of CPU, too).
 """
@@ -188,7 +191,11 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true", help="a CPU tier beside the GPU pool")
     ap.add_argument("--groups", type=int, default=1, help="KV cache groups (6: a Gemma-3-style hybrid)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--step", type=int, default=STEP, help="blocks per event (1: a stream announcing one block an event)"
+    )
     a = ap.parse_args()
+    globals()["STEP"] = a.step
     curve, totals, cpu, _wall = run(a.seconds, a.samples, a.offload, a.groups)
     text = report(a.seconds, curve, totals, cpu, a.offload, groups=a.groups)
     print(text)
