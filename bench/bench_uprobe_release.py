@@ -9,13 +9,14 @@ period (``uprobe_unregister_sync``), so releases run one after another however m
 them. A ``BPF_TRACE_UPROBE_MULTI`` link (kernel 6.6+) is released without that mutex, so links
 closed side by side share grace periods. Measured here on ``--probes`` libc functions of a
 sleeping process: perf-event uprobes closed one by one and side by side, then single-offset
-uprobe_multi links closed one by one and side by side.
+uprobe_multi links closed one by one and side by side; then kvwatch's own ``Program``
+(probes/bpf.py, what the daemon's uprobe families use) with ``--probes`` probes attached (entry
+and return pairs) and released by its ``close``, in each of its attach modes.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import subprocess
 import sys
@@ -26,12 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvwatch.probes.bpf import require_bcc
+from kvwatch.probes.bpf import Program, require_bcc
+from kvwatch.probes.bpf_syscalls import BPF_TRACE_UPROBE_MULTI, link_uprobe_multi
+from kvwatch.probes.canary import CANARY_SOURCE
+from kvwatch.probes.libs import SymbolCache, read_maps
 
 BPF_PROG_TYPE_KPROBE = 2
-BPF_LINK_CREATE = 28
-BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type
-SYS_BPF = 321  # x86_64
 SYMBOLS = [
     "malloc",
     "free",
@@ -76,24 +77,6 @@ SYMBOLS = [
 ]
 
 
-def link_uprobe_multi(fn_fd: int, path: bytes, offset: int, pid: int) -> int:
-    """One single-offset entry uprobe_multi link of program ``fn_fd`` (union bpf_attr, link_create:
-    prog_fd, target_fd, attach_type, flags, then uprobe_multi's path, offsets, ref_ctr_offsets,
-    cookies, cnt, flags, pid)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    offs = (ctypes.c_uint64 * 1)(offset)
-    cpath = ctypes.create_string_buffer(path)
-    attr = (ctypes.c_uint8 * 128)()
-    base = ctypes.addressof(attr)
-    ctypes.memmove(base, (ctypes.c_uint32 * 4)(fn_fd, 0, BPF_TRACE_UPROBE_MULTI, 0), 16)
-    ctypes.memmove(base + 16, (ctypes.c_uint64 * 4)(ctypes.addressof(cpath), ctypes.addressof(offs), 0, 0), 32)
-    ctypes.memmove(base + 48, (ctypes.c_uint32 * 3)(1, 0, pid), 12)
-    fd = int(libc.syscall(SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr)))
-    if fd < 0:
-        raise OSError(ctypes.get_errno(), f"BPF_LINK_CREATE uprobe_multi: {os.strerror(ctypes.get_errno())}")
-    return fd
-
-
 def timed_close(fds: list[int], close: Callable[[int], object], parallel: bool) -> float:
     t0 = time.monotonic()
     if parallel:
@@ -106,6 +89,22 @@ def timed_close(fds: list[int], close: Callable[[int], object], parallel: bool) 
         for fd in fds:
             close(fd)
     return time.monotonic() - t0
+
+
+def program_release(pid: int, symbols: list[str], links: bool) -> str:
+    """kvwatch's Program: a return and an entry probe (as the daemon attaches them) on the first
+    ``len(symbols) // 2`` of ``symbols`` in ``pid``'s libc, all released by ``close``."""
+    libc = next(lib for lib in read_maps(pid) if lib.name.startswith("libc.so"))
+    table = SymbolCache().get(libc.path)
+    addrs = [a for a in (table.probe_address(s) for s in symbols) if a is not None]
+    prog = Program(CANARY_SOURCE, ["-DKVW_NR_HITS=2", "-DKVW_NR_LOST=1"], uprobe_multi=links)
+    for addr in addrs[: len(symbols) // 2]:
+        for fn, ret in (("kvw_canary_return", True), ("kvw_canary_enter", False)):
+            prog.attach_uprobe("bench", libc.path, fn, pid=pid, addr=addr, retprobe=ret)
+    opened = prog.open_uprobes
+    t0 = time.monotonic()
+    prog.close()
+    return f"kvwatch Program ({prog.uprobe_mode}), released by close: {opened} in {time.monotonic() - t0:.3f} s"
 
 
 def main() -> None:
@@ -133,13 +132,15 @@ def main() -> None:
             b = bcc.BPF(text=b"int f(void *ctx) { return 0; }")
             fn = b.load_func(b"f", BPF_PROG_TYPE_KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
             try:
-                links = [link_uprobe_multi(fn.fd, path, off, target.pid) for path, off in where]
+                links = [link_uprobe_multi(fn.fd, path, off, target.pid, retprobe=False) for path, off in where]
             except OSError as err:
                 print(f"uprobe_multi links: not available here ({err})")
                 break
             took = timed_close(links, os.close, parallel)
             print(f"uprobe_multi links, {'side by side' if parallel else 'one by one'}: {len(links)} in {took:.3f} s")
             b.cleanup()
+        for links in (False, True):
+            print(program_release(target.pid, SYMBOLS[: args.probes], links))
     finally:
         target.kill()
         target.wait()

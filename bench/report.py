@@ -273,9 +273,11 @@ def render() -> str:
         "event, so the daemon's CPU hardly moves with the page-event rate.",
         "* A uprobe pair costs ~0.85-1 µs here (the kernel's trap, single-stepping avoided by probing past "
         "`endbr64`); unwatched processes pay nothing (`pid=` attachment).",
-        "* Releasing a uprobe costs this kernel ~0.1-0.2 s (an RCU grace period per probe); attaching and "
-        "releasing run in background threads so the probe loop never waits "
-        "(`kvwatch_uprobe_releases_pending`).",
+        "* Releasing a uprobe waits for an RCU Tasks Trace grace period (~0.05 s on this kernel). kvwatch attaches "
+        "each uprobe as a uprobe_multi link and releases them side by side, sharing grace periods: 40 in ~0.1 s, "
+        "where perf-event uprobes (bcc's way, kept as the fallback for kernels before 6.6) take ~0.1 s each one "
+        "after another, 40 in 4-5 s (bench/results/uprobe_release.md). Attaching and releasing run in background "
+        "threads so the probe loop never waits (`kvwatch_uprobe_releases_pending`).",
         "* The daemon's idle RSS (bench/results/footprint.md) is mostly code it loads: the interpreter and its "
         "libraries before bcc ~52 MiB (pydantic ~13, structlog ~15 with the asyncio, ssl and rich it imports, "
         "zmq ~2), bcc ~13 MiB that stays of libLLVM/libclang after the compiler's pages and heap are given back "

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from kvwatch.probes.bpf_syscalls import BPF_TRACE_UPROBE_MULTI, REFUSED, link_uprobe_multi
 from kvwatch.probes.errors import BccUnavailable, ProbeAttachError, ProbeCompileError
 
 PROBES_DIR = Path(__file__).resolve().parent
@@ -64,10 +67,19 @@ def program_text(source: Path) -> str:
     return f'#line 1 "{common.name}"\n{common.read_text()}\n#line 1 "{source.name}"\n{source.read_text()}'
 
 
-class Program:
-    """One compiled BPF program: attach/detach hooks, read maps, poll ring buffers."""
+UPROBE_MULTI = "uprobe_multi"
+PERF_EVENT = "perf_event"
 
-    def __init__(self, source: Path, cflags: Sequence[str]) -> None:
+
+class Program:
+    """One compiled BPF program: attach/detach hooks, read maps, poll ring buffers.
+
+    Uprobes are uprobe_multi links (``probes/bpf_syscalls.py``, released far faster) unless
+    ``uprobe_multi`` is False or the kernel refuses them at the first attach; then perf events,
+    bcc's way, for the program's life. ``uprobe_mode`` says which ("" until the first attach),
+    ``uprobe_mode_reason`` why perf events."""
+
+    def __init__(self, source: Path, cflags: Sequence[str], *, uprobe_multi: bool = True) -> None:
         bcc = require_bcc()
         self.source = source
         self.cflags = [*cflags, f"-I{PROBES_DIR}"]
@@ -80,7 +92,12 @@ class Program:
         self._tables: dict[str, Table] = {}
         self._closer: ThreadPoolExecutor | None = None
         self._closing: set[Future[None]] = set()
-        self._uprobes: list[tuple[str, str, int, bool]] = []
+        self._links: dict[str, int] = {}  # event name -> link descriptor
+        self._link_closers: set[threading.Thread] = set()
+        self._releases = threading.Lock()  # the attacher adds releases while the loop counts them
+        self._serial = 0
+        self.uprobe_mode = "" if uprobe_multi else PERF_EVENT
+        self.uprobe_mode_reason = "" if uprobe_multi else "uprobe_multi links not asked for"
         self._closed = False
 
     # --- attachment ------------------------------------------------------------
@@ -108,32 +125,78 @@ class Program:
     ) -> str:
         """Attach at ELF address ``addr`` of ``path`` for ``pid`` only; returns the event
         name to detach with (which works after the file or the process is gone)."""
+        try:
+            if self.uprobe_mode != PERF_EVENT:
+                event = self._attach_link(path, fn_name, pid, addr, retprobe)
+                if event:
+                    return event
+            return self._attach_perf_event(path, fn_name, pid, addr, retprobe)
+        except Exception as err:
+            raise ProbeAttachError(hook, f"{path}:{addr:#x}", str(err)) from err
+
+    def _attach_link(self, path: str, fn_name: str, pid: int, addr: int, retprobe: bool) -> str:
+        """A uprobe_multi link; "" when the kernel refuses them at the first attach, which makes
+        this program attach perf events from then on (a refusal later is an error)."""
+        bcc = require_bcc()
+        name = fn_name.encode()
+        try:  # cached by name: every uprobe function of a program in links mode is loaded this way
+            fn = self._bpf.load_func(name, bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+        except Exception as err:
+            if self.uprobe_mode:
+                raise
+            return self._fall_back(name, f"program load with attach type uprobe_multi: {err}")
+        # bcc turns the ELF address into the file offset the kernel wants (via the PT_LOAD
+        # segment holding it), as its own attach_uprobe does before opening the perf event
+        file, offset = bcc.BPF._check_path_symbol(path.encode(), b"", addr, pid)
+        try:
+            fd = link_uprobe_multi(fn.fd, file, offset, pid, retprobe=retprobe)
+        except OSError as err:
+            if self.uprobe_mode or err.errno not in REFUSED:
+                raise
+            return self._fall_back(name, str(err))
+        self.uprobe_mode = UPROBE_MULTI
+        self._serial += 1
+        event = f"kvw_link{self._serial}_{'r' if retprobe else 'p'}_{pid}_{offset:#x}"
+        self._links[event] = fd
+        return event
+
+    def _fall_back(self, name: bytes, reason: str) -> str:
+        fn = self._bpf.funcs.pop(name, None)  # loaded for links: bcc's attach loads it again its own way
+        if fn is not None:
+            os.close(fn.fd)
+        self.uprobe_mode, self.uprobe_mode_reason = PERF_EVENT, reason
+        return ""
+
+    def _attach_perf_event(self, path: str, fn_name: str, pid: int, addr: int, retprobe: bool) -> str:
         before = set(self._bpf.uprobe_fds)
-        target = f"{path}:{addr:#x}"
         kwargs: dict[str, Any] = {
             "name": path.encode(),
             "fn_name": fn_name.encode(),
             "pid": pid,
             "addr": addr,
         }
-        try:
-            if retprobe:
-                self._bpf.attach_uretprobe(**kwargs)
-            else:
-                self._bpf.attach_uprobe(**kwargs)
-        except Exception as err:
-            raise ProbeAttachError(hook, target, str(err)) from err
+        if retprobe:
+            self._bpf.attach_uretprobe(**kwargs)
+        else:
+            self._bpf.attach_uprobe(**kwargs)
         created = set(self._bpf.uprobe_fds) - before
         return created.pop().decode() if created else ""
 
     def detach_uprobe_event(self, event: str) -> bool:
-        """Detach now, release in the background.
+        """Detach now, release in the background; ``wait_releases`` and ``close`` wait for it.
 
-        Closing a uprobe's perf event waits for the kernel to unregister it, a wait of up to
-        hundreds of milliseconds per probe, one after the other: released inline, a process
-        exiting with tens of probes would stall the caller for seconds. So the descriptor
-        leaves bcc's table here, a closer thread releases it (in parallel with others,
-        sharing the kernel's grace periods) and ``close`` waits for them."""
+        Closing a uprobe's descriptor waits out an RCU Tasks Trace grace period (~0.05 s): inline,
+        a process exiting with tens of probes would stall the caller for seconds. Each link is
+        closed by a thread of its own, so links released together share one grace period. A
+        perf event's release also holds the kernel's ``event_mutex``, which serialises them
+        whatever the threads: a pool of closers keeps them off the caller, no more."""
+        fd = self._links.pop(event, None)
+        if fd is not None:
+            closer = threading.Thread(target=os.close, args=(fd,), name="kvwatch-link-close", daemon=True)
+            closer.start()
+            with self._releases:
+                self._link_closers.add(closer)
+            return True
         ev = event.encode()
         fd = self._bpf.uprobe_fds.get(ev)
         if fd is None:
@@ -141,20 +204,28 @@ class Program:
         self._bpf._del_uprobe_fd(ev)  # bcc's own bookkeeping (open-probe count), private API
         if self._closer is None:
             self._closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvwatch-uprobe-close")
-        self._closing.add(self._closer.submit(_release_uprobe, fd, ev))
+        with self._releases:
+            self._closing.add(self._closer.submit(_release_uprobe, fd, ev))
         return True
 
     def pending_releases(self) -> int:
-        self._closing = {f for f in self._closing if not f.done()}
-        return len(self._closing)
+        with self._releases:
+            self._closing = {f for f in self._closing if not f.done()}
+            self._link_closers = {t for t in self._link_closers if t.is_alive()}
+            return len(self._closing) + len(self._link_closers)
 
     def wait_releases(self, timeout: float | None = None) -> None:
-        wait(list(self._closing), timeout=timeout)
-        self._closing = {f for f in self._closing if not f.done()}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._releases:
+            closers, closing = list(self._link_closers), list(self._closing)
+        for closer in closers:
+            closer.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        wait(closing, timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        self.pending_releases()
 
     @property
     def open_uprobes(self) -> int:
-        return len(self._bpf.uprobe_fds)
+        return len(self._bpf.uprobe_fds) + len(self._links)
 
     def skipped_runs(self, fn_name: str) -> int:
         """Times the kernel skipped ``fn_name`` instead of running it (``recursion_misses``).
@@ -210,30 +281,13 @@ class Program:
             return
         self._closed = True
         self._tables.clear()
-        for ev in list(self._bpf.uprobe_fds):  # the rest in parallel too, not one by one in cleanup()
-            self.detach_uprobe_event(ev.decode())
+        for event in [*self._links, *(ev.decode() for ev in self._bpf.uprobe_fds)]:
+            self.detach_uprobe_event(event)  # the rest in parallel too, not one by one in cleanup()
+        self.wait_releases()
         if self._closer is not None:
             self._closer.shutdown(wait=True)
             self._closer = None
         self._bpf.cleanup()
-
-
-_SYS_BPF = 321  # x86_64
-_BPF_ENABLE_STATS = 32
-_BPF_STATS_RUN_TIME = 0
-
-
-def enable_bpf_stats() -> int:
-    """Turn the kernel's BPF run-time statistics on for as long as the returned descriptor is
-    open (``BPF_ENABLE_STATS``: the kernel counts holders and turns them off when the last one
-    closes, crash included, so nothing is left to restore). Raises OSError when refused."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    attr = (ctypes.c_uint32 * 32)(_BPF_STATS_RUN_TIME)  # union bpf_attr: enable_stats.type first
-    fd = int(libc.syscall(_SYS_BPF, _BPF_ENABLE_STATS, ctypes.byref(attr), ctypes.sizeof(attr)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"BPF_ENABLE_STATS: {os.strerror(err)}")
-    return fd
 
 
 def fdinfo_field(fd: int, key: str) -> str | None:

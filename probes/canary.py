@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwatch.probes.bpf import PROBES_DIR, Program, enable_bpf_stats, percpu_array_sums
+from kvwatch.probes.bpf import PROBES_DIR, Program, percpu_array_sums
+from kvwatch.probes.bpf_syscalls import enable_bpf_stats
 from kvwatch.probes.libs import SymbolCache, read_maps
 
 CANARY_SOURCE = PROBES_DIR / "canary.bpf.c"

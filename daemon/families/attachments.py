@@ -46,6 +46,7 @@ class FamilyTracker:
         self.shed_requests: dict[int, tuple[float, tuple[str, ...] | None]] = {}
         self.shed_until: dict[int, float] = {}  # pid -> when its shed probes are attached again
         self.sheds = 0
+        self.attach_mode = ""  # how the program attaches uprobes, once its first attach decided it
 
     def request_shed(self, pid: int, backoff: float, apis: tuple[str, ...] | None = None) -> None:
         """From the loop: detach these APIs' probes from ``pid`` (keeping its counts and its other
@@ -108,6 +109,7 @@ class FamilyTracker:
         except Exception as err:
             self.errors.record(f"{fam}_attach", f"{fam} attach failed", err, pid=pid)
             return
+        self._note_attach_mode()
         if len(att.libraries) > before:
             states: dict[str, int] = {}
             for s in att.symbols:
@@ -124,6 +126,12 @@ class FamilyTracker:
                     self.errors.record(
                         f"{fam}_symbol_failed", f"{fam} symbol refused", None, api=s.api, reason=s.reason
                     )
+
+    def _note_attach_mode(self) -> None:
+        prog = self.probes.program
+        if prog.uprobe_mode and prog.uprobe_mode != self.attach_mode:
+            self.attach_mode = prog.uprobe_mode
+            log.info("uprobe attach mode", family=self.family, mode=prog.uprobe_mode, reason=prog.uprobe_mode_reason)
 
     def _shed(self, now: float) -> None:
         for pid in list(self.shed_requests):
