@@ -105,7 +105,19 @@ def uprobe_files(pid: int) -> list[str]:
     """The file of each uprobe that process ``pid`` holds through a perf event, as the kernel
     reports it (``bpftool perf show``: bcc attaches uprobes through perf events, not tracefs)."""
     out = subprocess.run(["bpftool", "-j", "perf", "show"], capture_output=True, text=True, check=True).stdout
-    return [e["filename"] for e in json.loads(out or "[]") if e.get("pid") == pid and e.get("fd_type") == "uprobe"]
+    files = [e["filename"] for e in json.loads(out or "[]") if e.get("pid") == pid and e.get("fd_type") == "uprobe"]
+    return files + uprobe_multi_files(pid)
+
+
+def uprobe_multi_files(pid: int) -> list[str]:
+    """The file of each uprobe_multi link process ``pid`` holds (its fdinfo's ``path``)."""
+    out = []
+    for fd in Path(f"/proc/{pid}/fdinfo").glob("*"):
+        with contextlib.suppress(OSError):
+            info = fd.read_text()
+            if "link_type:\tuprobe_multi" in info or "link_type: uprobe_multi" in info:
+                out += [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("path:")]
+    return out
 
 
 def wait_uprobes(tracer_pid: int, *libraries: str, timeout: float = 60.0) -> int:
