@@ -53,9 +53,12 @@ from engine_procs import (
     comm,
     cpu_between,
     cpu_snapshot,
+    enable_bpf_stats,
     held_programs,
     process_cpu,
+    program_stats,
     prove_off,
+    stats_between,
     thread_snapshot,
     threads_between,
     tree,
@@ -232,7 +235,7 @@ def round_load(ctx: dict[str, Any], pair: int) -> Load:
     return load.with_(seed=ctx["args"].seed + 1 + pair)
 
 
-def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str, Any]:
+def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int, bpf_stats: bool = False) -> dict[str, Any]:
     kv: Kvwatch = ctx["kvwatch"]
     api, cores = ctx["api"], ctx["cores"]
     t_round = time.monotonic()
@@ -243,9 +246,13 @@ def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str,
         row["tapped_before"] = kv.tapped(api, cores)
         m0, d0 = kv.meter([api, *cores]), process_cpu(kv.pid or 0)
     load = round_load(ctx, pair)
+    ids = kv.held | held_programs(kv.pid) if bpf_stats and kv.pid else set()
+    p0 = program_stats(ids)
     c0, th0, t0 = cpu_snapshot(api), thread_snapshot(cores), time.monotonic()
     res = ctx["client"].run(load)
     c1, th1, wall = cpu_snapshot(api), thread_snapshot(cores), time.monotonic() - t0
+    if ids:  # every program's kernel-side time over the client's run, whichever process it ran in
+        row["bpf_programs"] = stats_between(p0, program_stats(ids | held_programs(kv.pid or 0)))
     row["core_threads_cpu_s"] = threads_between(th0, th1)  # where in the EngineCore a difference lands
     cpu = cpu_between(c0, c1)
     core_s = sum(v for p, v in cpu["per_pid"].items() if int(p) in cores)
@@ -270,6 +277,18 @@ def one_round(ctx: dict[str, Any], pair: int, on: bool, index: int) -> dict[str,
     row["elapsed_s"] = round(time.monotonic() - t_round, 2)  # toggle + settle + client + meter wait
     print(engine_cost_report.round_line(row), flush=True)
     return row
+
+
+def attribution_round(ctx: dict[str, Any], out: dict[str, Any]) -> None:
+    """One more on round, after the pairs and in none of the ratios, with the kernel's BPF
+    statistics on: each of kvwatch's programs' runs and run time over the load, which names the
+    probe a cost difference comes from (the statistics add two clock reads to every run, so they
+    stay off in the measured rounds). A uprobe's traps are not in them: the meter has those."""
+    fd = enable_bpf_stats()
+    try:
+        out["attribution"] = one_round(ctx, 0, True, len(out["rounds"]), bpf_stats=True)
+    finally:
+        os.close(fd)
 
 
 def calibrate(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -324,6 +343,8 @@ def run(args: argparse.Namespace, out: dict[str, Any], ctx: dict[str, Any]) -> N
         if not args.num_prompts:
             presample(ctx, out)
         rounds(ctx, out, t0)
+        if args.bpf_stats_round:
+            attribution_round(ctx, out)
     finally:
         if ctx["kvwatch"].pid is not None:
             out["final_stop"] = ctx["kvwatch"].stop()
@@ -336,6 +357,7 @@ def rounds(ctx: dict[str, Any], out: dict[str, Any], t0: float) -> None:
     args, longest = ctx["args"], 0.0
     for pair in range(args.pairs):
         need = (longest or 2 * (args.round_seconds + args.settle) + 40) * (2 if pair % 2 == 0 else 1)
+        need += (longest or 2 * (args.round_seconds + args.settle) + 40) / 2 if args.bpf_stats_round else 0
         if args.deadline - (time.monotonic() - t0) < need + 20:
             per = "per two pairs (one ABBA block)" if pair % 2 == 0 else "per pair"
             out["notes"].append(f"stopped after {pair} pairs: {need:.0f} s needed {per}, deadline near")
@@ -371,6 +393,11 @@ def options() -> argparse.Namespace:
     ap.add_argument(
         "--pin",
         help="ENGINE:CLIENT:DAEMON CPU lists (taskset -c syntax, e.g. 0-7:8-11:12-15): each on its own CPUs",
+    )
+    ap.add_argument(
+        "--bpf-stats-round",
+        action="store_true",
+        help="after the pairs, one on round with the kernel's BPF statistics on: each program's run time",
     )
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds this run may take")
     ap.add_argument("--model", default="/tmp/tiny")

@@ -203,6 +203,41 @@ def _threads(rows: list[dict[str, Any]], top: int = 8) -> list[str]:
     ]
 
 
+def _attribution(result: dict[str, Any], top: int = 12) -> list[str]:
+    """The round with BPF statistics on: kvwatch's programs by their kernel-side time."""
+    r = result.get("attribution")
+    if not r or not r.get("bpf_programs"):
+        return []
+    done = float(r.get("result", {}).get("completed") or 0)
+    progs = r["bpf_programs"]
+    total = sum(v["run_ns"] for v in progs.values()) / 1e9
+    core = r.get("cpu_core_s_per_1000", math.nan)
+    order = sorted(progs, key=lambda n: -progs[n]["run_ns"])[:top]
+
+    def row(n: str) -> str:
+        v = progs[n]
+        per = v["run_ns"] / v["runs"] if v["runs"] else math.nan
+        return f"| {n} | {_f(v['runs'] / done if done else math.nan, 2)} | {_f(per, 0)} | {per_k(v['run_ns'] / 1e9, done)} |"
+
+    return [
+        "",
+        f"Where kvwatch's kernel-side time went: one more on round after the pairs (in no ratio), {int(done)} "
+        "requests with the kernel's BPF statistics on; every program's runs and run time over the load, in "
+        "whichever process it ran (a uprobe's traps are not in them; the meter has those). Total "
+        f"{per_k(total, done)} CPU s per 1,000 requests, against the EngineCore's {_f(core)} in that round; the "
+        f"meter {_f(r.get('meter_core_s_per_1000', math.nan))} in the EngineCore.",
+        "",
+        "| program | runs per request | ns per run | CPU s per 1,000 requests |",
+        "| --- | ---: | ---: | ---: |",
+        *(row(n) for n in order),
+        "",
+    ]
+
+
+def per_k(seconds: float, done: float) -> str:
+    return _f(1000.0 * seconds / done, 4) if done else "n/a"
+
+
 def _nz(v: float) -> float:
     return 0.0 if math.isnan(v) else v
 
@@ -261,6 +296,7 @@ def render(result: dict[str, Any]) -> str:
         "engine's figures).",
         *_bound(s),
         *_threads(rows),
+        *_attribution(result),
         f"* Proofs: {p['off_proven_clean']} of {p['off_rounds']} off rounds began with kvwatch proven gone (daemon "
         "reaped, none of its BPF programs loaded, no uprobe of it in tracefs, no unheld kvw_* program); "
         f"{_others(p)}{p['on_proven_tapped']} of {p['on_rounds']} on rounds began with the engine's processes watched, CUDA "

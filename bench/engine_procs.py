@@ -149,6 +149,33 @@ def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_uint8]) -> int:
     return rc
 
 
+_RUN_TIME, _RUN_CNT = 192, 200  # struct bpf_prog_info: run_time_ns, run_cnt (kernel 5.1+)
+
+
+def _prog_info(prog_id: int) -> bytes | None:
+    """struct bpf_prog_info of program ``prog_id`` (256 bytes), None when it is gone."""
+    attr = (ctypes.c_uint8 * 128)()
+    struct.pack_into("I", attr, 0, prog_id)
+    try:
+        fd = _bpf(_PROG_GET_FD_BY_ID, attr)
+    except OSError as err:
+        if err.errno == errno.ENOENT:  # unloaded meanwhile
+            return None
+        raise
+    try:
+        info = (ctypes.c_uint8 * 256)()
+        attr = (ctypes.c_uint8 * 128)()
+        struct.pack_into("IIQ", attr, 0, fd, len(info), ctypes.addressof(info))
+        _bpf(_OBJ_GET_INFO_BY_FD, attr)
+        return bytes(info)
+    finally:
+        os.close(fd)
+
+
+def _name(info: bytes) -> str:
+    return info[_NAME].split(b"\0")[0].decode(errors="replace")
+
+
 def _programs_by_syscall() -> dict[int, str]:
     out: dict[int, str] = {}
     next_id = 0
@@ -162,22 +189,45 @@ def _programs_by_syscall() -> dict[int, str]:
                 return out
             raise
         next_id = struct.unpack_from("I", attr, 4)[0]
-        attr = (ctypes.c_uint8 * 128)()
-        struct.pack_into("I", attr, 0, next_id)
-        try:
-            fd = _bpf(_PROG_GET_FD_BY_ID, attr)
-        except OSError as err:
-            if err.errno == errno.ENOENT:  # unloaded meanwhile
-                continue
-            raise
-        try:
-            info = (ctypes.c_uint8 * 256)()
-            attr = (ctypes.c_uint8 * 128)()
-            struct.pack_into("IIQ", attr, 0, fd, len(info), ctypes.addressof(info))
-            _bpf(_OBJ_GET_INFO_BY_FD, attr)
-            out[next_id] = bytes(info[_NAME]).split(b"\0")[0].decode(errors="replace")
-        finally:
-            os.close(fd)
+        info = _prog_info(next_id)
+        if info is not None:
+            out[next_id] = _name(info)
+
+
+ProgramStats = dict[int, tuple[str, int, int]]  # program id -> (name, run_time_ns, run_cnt)
+
+
+def program_stats(ids: Iterable[int]) -> ProgramStats:
+    """The kernel's run time and run count of each program in ``ids`` that is still loaded; they
+    advance only while BPF statistics are on (``kernel.bpf_stats_enabled``, BPF_ENABLE_STATS)."""
+    out: ProgramStats = {}
+    for i in ids:
+        info = _prog_info(i)
+        if info is not None:
+            ns, cnt = struct.unpack_from("QQ", info, _RUN_TIME)
+            out[i] = (_name(info), ns, cnt)
+    return out
+
+
+def stats_between(a: ProgramStats, b: ProgramStats) -> dict[str, dict[str, int]]:
+    """Per program name (programs of one name summed: one a process or an attach point), its runs
+    and run time from ``a`` to ``b``; a program loaded in between counts from zero."""
+    out: dict[str, dict[str, int]] = {}
+    for i, (name, ns, cnt) in b.items():
+        _, ns0, cnt0 = a.get(i, (name, 0, 0))
+        d = out.setdefault(name, {"run_ns": 0, "runs": 0})
+        d["run_ns"] += ns - ns0
+        d["runs"] += cnt - cnt0
+    return out
+
+
+_ENABLE_STATS = 32  # BPF_ENABLE_STATS, type BPF_STATS_RUN_TIME (0)
+
+
+def enable_bpf_stats() -> int:
+    """BPF run-time statistics on while the returned descriptor is open (the kernel turns them off
+    when its last holder closes, a crash included)."""
+    return _bpf(_ENABLE_STATS, (ctypes.c_uint8 * 128)())
 
 
 def bpf_programs() -> tuple[dict[int, str], str]:

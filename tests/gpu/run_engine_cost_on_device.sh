@@ -8,7 +8,7 @@
 #   4.   carry [".gpu-bundle", ".whl"], timeout_s 600,
 #        command: bash tests/gpu/run_engine_cost_on_device.sh
 #        (knobs, as environment in front: PAIRS=8 ROUND_SECONDS=16 SETTLE=3 DATASET=prefix_repetition
-#         CONCURRENCY=16 DEADLINE=565 PIN= PROFILE_AT=150; ARGS="..." for any other flag of the bench: ARGS="--num-prompts 640"
+#         CONCURRENCY=16 DEADLINE=565 PIN= PROFILE_AT=150 BPF_STATS_ROUND=1 (empty: none); ARGS="..." for any other flag of the bench: ARGS="--num-prompts 640"
 #         fixes the round size, so that every round's requests are sampled while vLLM starts)
 #
 # In the call: the bench starts vLLM at once (prefix caching, the CPU offloading connector, KV events,
@@ -17,6 +17,8 @@
 # unpacks bcc, which kvwatch's first start (after /health and a warm-up round) needs. Then ABBA pairs
 # until the deadline. Comes back in $OUT: engine_cost.json, engine_cost.md, engine_cost_logs.tar.gz, daemon_profile.tar.gz.
 set -uo pipefail
+# after the pairs, one on round with the kernel's BPF statistics on (each program's time; in no ratio)
+BPF_STATS_ROUND=${BPF_STATS_ROUND-1}
 # engine:client:daemon CPUs (e.g. PIN=0-7:8-11:12-15): none by default; pinned so on the H200 the engine
 # served 27-40 requests/s instead of 42-52, with wider intervals (bench/results/h200-2026-12-03-engine-cost)
 PIN=${PIN-}
@@ -37,7 +39,7 @@ VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 python3 bench/bench_engine_cost.py \
     --engine vllm --client vllm --out "$out" --work /tmp/kvw-engine-cost --kvwatch-cmd /tmp/kvwatch-daemon \
     --pairs "${PAIRS:-8}" --round-seconds "${ROUND_SECONDS:-16}" --settle "${SETTLE:-3}" \
     --dataset "${DATASET:-prefix_repetition}" --concurrency "${CONCURRENCY:-16}" --deadline "${DEADLINE:-565}" \
-    ${PIN:+--pin "$PIN"} ${ARGS:-} > /tmp/engine_cost.log 2>&1 &
+    ${PIN:+--pin "$PIN"} ${BPF_STATS_ROUND:+--bpf-stats-round} ${ARGS:-} > /tmp/engine_cost.log 2>&1 &
 bench=$!
 
 if [ ! -e /tmp/site/.done ]; then

@@ -106,3 +106,20 @@ def test_the_engine_core_threads_are_set_side_by_side() -> None:
     text = rep.render({"summary": rep.summarize(rows), "rounds": rows, "args": {}})
     assert "| VLLM::EngineCor | 1.0000 | 1.0000 | 0.0000 |" in text  # 20 s over a 20 s round
     assert "| ZMQbg/IO/0 | 0.0100 | 0.0200 | 0.0100 |" in text
+
+
+def test_the_bpf_statistics_round_names_each_program_by_its_time() -> None:
+    rows = _rows()
+    extra = {**_row(8, 0, True, 30.0, 45.0), "meter_core_s_per_1000": 0.01}
+    extra["bpf_programs"] = {
+        "kvw_page_free": {"run_ns": 2_000_000, "runs": 4_000},  # 500 ns a run, 4 a request
+        "kvw_oom_victim": {"run_ns": 0, "runs": 0},
+        "kvw_return_cuda": {"run_ns": 9_000_000, "runs": 12_000},
+    }
+    summary = rep.summarize(rows)
+    text = rep.render({"summary": summary, "rounds": rows, "args": {}, "attribution": extra})
+    assert "| kvw_return_cuda | 12.00 | 750 | 0.0090 |" in text  # 9 ms over 1,000 requests
+    assert "| kvw_page_free | 4.00 | 500 | 0.0020 |" in text
+    assert "| kvw_oom_victim | 0.00 | — | 0.0000 |" in text
+    assert text.index("kvw_return_cuda") < text.index("kvw_page_free")
+    assert "Total 0.0110 CPU s per 1,000 requests" in text

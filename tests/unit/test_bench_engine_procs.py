@@ -28,3 +28,12 @@ def test_thread_cpu_is_summed_by_name_and_a_new_thread_counts_whole() -> None:
     a = {1: ("VLLM::EngineCor", 10.0), 2: ("ZMQbg/IO/0", 1.0), 3: ("gone", 5.0)}
     b = {1: ("VLLM::EngineCor", 12.5), 2: ("ZMQbg/IO/0", 1.25), 4: ("ZMQbg/IO/0", 0.5)}
     assert procs.threads_between(a, b) == {"VLLM::EngineCor": 2.5, "ZMQbg/IO/0": 0.75}
+
+
+def test_program_run_time_is_summed_by_name_and_a_program_loaded_between_counts_whole() -> None:
+    a = {7: ("kvw_page_free", 1_000, 10), 8: ("kvw_enter_cudaM", 500, 5), 9: ("kvw_gone", 9, 9)}
+    b = {7: ("kvw_page_free", 4_000, 40), 8: ("kvw_enter_cudaM", 800, 8), 12: ("kvw_enter_cudaM", 300, 2)}
+    assert procs.stats_between(a, b) == {
+        "kvw_page_free": {"run_ns": 3_000, "runs": 30},
+        "kvw_enter_cudaM": {"run_ns": 600, "runs": 5},  # 300 / 3 of id 8, and id 12 whole
+    }
