@@ -14,14 +14,23 @@ arrays: a fingerprint it does not hold is certainly not sealed, and a few that i
 are looked up one by one. Takes and forgotten generations leave their bits set (a stale bit
 only costs a lookup); a seal sets the new generation's bits, and the filter is rebuilt from the
 live entries when it must grow or every REBUILD_SEALS seals (as the memory turns over).
+
+numpy's BLAS library starts a worker thread per CPU when it loads, and each spins for a while
+before sleeping: ~0.13 CPU s a thread, ~2 CPU s at once on a 16-CPU node, for a library kvwatch
+never calls. Its pools are held to one thread before the import (the library reads these
+variables once, when it loads).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import numpy as np  # noqa: E402 - after the thread limits
+import numpy.typing as npt  # noqa: E402
 
 FEW = 8  # calls with at most this many fingerprints take the one-by-one path
 FILTER_BITS_PER_ENTRY = 8

@@ -57,8 +57,8 @@ PYTHONPATH=/tmp/kvpkg:/tmp/site:$here .gpu-bundle/with-bcc python3 -c 'import bc
 # every chunk's start. Without py-spy, the threads' CPU alone.
 prof=/tmp/kvw-daemon-profile
 mkdir -p "$prof"
-threads_cpu() {  # tid, utime+stime ticks
-    for t in /proc/$1/task/*; do printf '%s %s\n' "${t##*/}" "$(awk '{print $14+$15}' "$t/stat")"; done 2>/dev/null
+threads_cpu() {  # tid, utime+stime ticks, name
+    for t in /proc/$1/task/*; do printf '%s %s %s\n' "${t##*/}" "$(awk '{print $14+$15}' "$t/stat")" "$(tr ' ' _ < "$t/comm")"; done 2>/dev/null
 }
 profile_daemon() {
     local pid="" age k=0
