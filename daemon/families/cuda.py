@@ -111,9 +111,12 @@ class CudaTracker(FamilyTracker):
         return {api: float(n) for api, n in c.calls_by_api().items()} if c is not None else {}
 
     def calls(self, pid: int) -> float | None:
+        """Every trapped call: the counted ones, and those made beneath one (the driver call inside
+        cudaMalloc or cudaMemcpyBatchAsync), counted apart but trapped on entry and return alike."""
         if pid not in self.attached:
             return None
-        return sum(self.api_calls(pid).values(), 0.0)
+        c = self._counters.get(pid)
+        return sum(self.api_calls(pid).values(), float(c.nested if c is not None else 0))
 
     def view(self, pid: int) -> CudaView | None:
         """The process's CUDA counters for the snapshot, while the family tracks it."""

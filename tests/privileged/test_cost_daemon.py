@@ -91,3 +91,39 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
         runs = m("kvwatch_probe_runs_total", family="cuda", program=f"kvw_enter_{COPY}")
         assert runs >= before + 29 and m("kvwatch_probe_run_seconds_total", family="cuda") > 0
         assert m("kvwatch_uprobe_cost_seconds_total", pid=pid, family="cuda") > 0
+
+
+FIXED = rf"""
+[daemon]
+tick_seconds = 0.5
+[discovery]
+interval_seconds = 0.5
+rules = [{workload_rule("stubengine", "cudacalls")}]
+[probes]
+memory = ["lifecycle"]
+cuda_rescan_seconds = 1
+transfer = false
+[self_cost]
+calibrate = false
+call_cost_ns = 1000
+budget = 0
+"""
+
+
+def test_the_meter_counts_every_trapped_call_the_driver_beneath_the_runtime_too(tmp_path: Path, stub: Path) -> None:
+    """The stub runtime calls the driver beneath each call, as cudart does. With the runtime probed,
+    the driver's allocation functions are left unprobed, but its copy functions are probed and
+    trapped beneath the runtime's copies (counted once, as nested). At a fixed 1 us a probed call
+    (entry and return), 23 cudaMalloc + 23 cudaFree + 29 copies with the 29 driver copies beneath
+    them cost 104 us."""
+    with daemon(tmp_path, FIXED) as d, Child("cudacalls", "--lib", str(stub / "libcudart.so.12")) as w:
+        w.expect("ready")
+        pid = str(w.pid)
+        wait_attached(d, w.pid)
+        cost = "kvwatch_uprobe_cost_seconds_total"
+        # the meter's first tick of the process is its baseline: calls after it are all counted
+        wait_until(lambda: any(lab.get("pid") == pid for lab, _v in d.metrics().get(cost, [])), 30, "metered")
+        assert call(w, "call 23") == "done 23 0"
+        assert call(w, "copy 1 29 4096") == "done 29 0"
+        got = d.settled(lambda: d.value(cost, pid=pid, family="cuda"))
+        assert abs(got - (23 + 23 + 29 + 29) * 1e-6) < 1e-12
