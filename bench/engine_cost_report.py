@@ -21,6 +21,7 @@ FIGURES = (
     ("cpu_api_s_per_1000", "of that, the API server"),
     ("cpu_core_s_per_1000", "of that, the EngineCore process(es)"),
     ("core_cores_busy", "EngineCore CPU s per wall s (1.0: a core kept busy)"),
+    ("core_side_s_per_1000", "of the EngineCore, its threads beside the engine loop, s per 1,000 requests"),
 )
 
 
@@ -47,7 +48,17 @@ def _ratio(rows: list[dict[str, Any]], num: str, den: str) -> float:
     return sum(r[num] for r in rows if num in r) / d if d else math.nan
 
 
+def side_threads(rows: list[dict[str, Any]]) -> None:
+    """Each round's EngineCore CPU outside its engine loop (every thread but the busiest name),
+    per 1,000 requests: where a KV event subscriber's cost lands (the publisher's I/O thread)."""
+    for r in rows:
+        th, done = r.get("core_threads_cpu_s"), float(r["result"].get("completed") or 0)
+        if th and done:
+            r["core_side_s_per_1000"] = 1000.0 * (sum(th.values()) - max(th.values())) / done
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    side_threads(rows)
     figures = {k: compare(p).as_dict() for k, _ in FIGURES if (p := pairs(rows, k))}
     on = [r for r in rows if r["kvwatch"]]
     off = [r for r in rows if not r["kvwatch"]]
@@ -234,6 +245,32 @@ def _attribution(result: dict[str, Any], top: int = 12) -> list[str]:
     ]
 
 
+def _by_parts(result: dict[str, Any]) -> list[str]:
+    """kvwatch's cost to the EngineCore summed from the parts measured apart, each resolved far
+    below the rounds' noise: the uprobes' traps (the meter), the programs' run time (the BPF
+    statistics round; every process's, so an upper bound), and the CPU of the EngineCore's threads
+    beside its engine loop, on minus off (the KV event subscription), with its interval."""
+    s, r = result["summary"], result.get("attribution") or {}
+    side, core = s["figures"].get("core_side_s_per_1000"), s["figures"].get("cpu_core_s_per_1000")
+    done = float(r.get("result", {}).get("completed") or 0)
+    if not side or not core or not done or not r.get("bpf_programs"):
+        return []
+    meter = s["cpu_diff_vs_meter_s_per_1000"]["core"]["meter"]
+    progs = 1000.0 * sum(v["run_ns"] for v in r["bpf_programs"].values()) / 1e9 / done
+    total, high = meter + progs + side["diff_mean"], meter + progs + side["diff_high"]
+    base = core["off_mean"]
+    return [
+        "",
+        "kvwatch's cost to the EngineCore by its parts, CPU s per 1,000 requests: the uprobes' traps (the meter) "
+        f"{_f(meter, 4)} + the BPF programs' run time (the statistics round, every process's) {_f(progs, 4)} + its "
+        f"threads beside the engine loop, on - off (the KV event publisher's I/O) {_f(side['diff_mean'], 4)} "
+        f"({_f(side['diff_low'], 4)} to {_f(side['diff_high'], 4)}) = **{_f(total, 4)}**, "
+        f"**{_f(100 * total / base, 2)} %** of its {_f(base)} with kvwatch off ({_f(100 * high / base, 2)} % at the "
+        "interval's top).",
+        "",
+    ]
+
+
 def per_k(seconds: float, done: float) -> str:
     return _f(1000.0 * seconds / done, 4) if done else "n/a"
 
@@ -297,6 +334,7 @@ def render(result: dict[str, Any]) -> str:
         *_bound(s),
         *_threads(rows),
         *_attribution(result),
+        *_by_parts(result),
         f"* Proofs: {p['off_proven_clean']} of {p['off_rounds']} off rounds began with kvwatch proven gone (daemon "
         "reaped, none of its BPF programs loaded, no uprobe of it in tracefs, no unheld kvw_* program); "
         f"{_others(p)}{p['on_proven_tapped']} of {p['on_rounds']} on rounds began with the engine's processes watched, CUDA "

@@ -64,7 +64,8 @@ NOT_RUN = {
 
 def engine_cost(text: str) -> str:
     """The on/off ratios of request throughput and of the engine's CPU per request with their
-    intervals, the EngineCore's busy cores, and kvwatch's meter as a share of its CPU."""
+    intervals, the EngineCore's busy cores, kvwatch's meter as a share of its CPU, and the cost
+    summed from its parts."""
     table = rows(text)
     rps, cpu = cell(table, "requests/s", 3), cell(table, "engine CPU s per 1,000", 3)
     if "not measured" in (cpu, rps):
@@ -78,6 +79,8 @@ def engine_cost(text: str) -> str:
         out += f", EngineCore CPU per second x {busy} ({cell(table, 'EngineCore CPU s per wall s', 4)})"
     if m := re.search(r"The EngineCore kept ([0-9.]+) cores busy off .*?meter is ([0-9.]+) % of its CPU", text):
         out += f"; the EngineCore is CPU-bound ({m[1]} cores busy) and kvwatch's meter is {m[2]} % of its CPU"
+    if m := re.search(r"by its parts.*?\*\*([0-9.]+) %\*\* of its .*?\(([0-9.]+) % at the interval's top\)", text):
+        out += f"; by its parts (traps, programs, the KV event publisher's thread) {m[1]} % of it ({m[2]} % at most)"
     return out + " (bench/results/engine_cost.md)"
 
 

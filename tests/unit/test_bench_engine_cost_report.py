@@ -123,3 +123,17 @@ def test_the_bpf_statistics_round_names_each_program_by_its_time() -> None:
     assert "| kvw_oom_victim | 0.00 | — | 0.0000 |" in text
     assert text.index("kvw_return_cuda") < text.index("kvw_page_free")
     assert "Total 0.0110 CPU s per 1,000 requests" in text
+
+
+def test_the_cost_by_parts_sums_meter_programs_and_side_threads() -> None:
+    rows = _rows()
+    for r in rows:  # side threads: 0.2 s off, 0.3 s on over 1,000 requests
+        r["core_threads_cpu_s"] = {"VLLM::EngineCor": 20.0, "ZMQbg/IO/0": 0.3 if r["kvwatch"] else 0.2}
+        if r["kvwatch"]:
+            r["meter_core_s_per_1000"] = 0.02
+    extra = {**_row(8, 0, True, 30.0, 45.0), "bpf_programs": {"kvw_page_free": {"run_ns": 30_000_000, "runs": 9}}}
+    s = rep.summarize(rows)
+    assert s["figures"]["core_side_s_per_1000"]["diff_mean"] == pytest.approx(0.1)
+    text = rep.render({"summary": s, "rounds": rows, "args": {}, "attribution": extra})
+    # 0.02 + 0.03 + 0.1 = 0.15 s of the EngineCore's 3/4 x (25 + 0.1 i) s in off rounds 0, 3, 4, 7: 19.0125
+    assert "= **0.1500**, **0.79 %** of its 19.012 with kvwatch off" in text
