@@ -303,7 +303,12 @@ def render() -> str:
         "EngineCore, the KV event stream connected). Per mode: request and output-token throughput, TTFT and "
         "TPOT median and p99, and the engine's CPU seconds per 1,000 requests from /proc (a uprobe's cost is "
         "charged to the process it traps in); each as an on/off ratio of means with a bootstrap 95 % interval "
-        "over the pairs, and the CPU difference beside kvwatch's own meter (`kvwatch_uprobe_cost_seconds_total`).",
+        "over the pairs, and the CPU difference beside kvwatch's own meter (`kvwatch_uprobe_cost_seconds_total`). "
+        "On the H200 those ratios carry ±6-10 % of the host's round-to-round noise, so the cost is also summed "
+        "from parts each measured far below it: the meter (the uprobes' traps), each BPF program's run time "
+        "(one more on round with the kernel's BPF statistics on, `--bpf-stats-round`), and the EngineCore's "
+        "threads beside its engine loop, on minus off (where the KV event subscription lands: vLLM's ZMQ I/O "
+        "thread).",
         "* The H200 runs (CUDA probes against PyTorch's allocator counters, per-call cost on the real "
         "driver) and the per-issue analysis: `docs/performance-analysis.md`.",
         "",
