@@ -356,8 +356,9 @@ def rounds(ctx: dict[str, Any], out: dict[str, Any], t0: float) -> None:
     drift cancels), each as long as the longest so far."""
     args, longest = ctx["args"], 0.0
     for pair in range(args.pairs):
-        need = (longest or 2 * (args.round_seconds + args.settle) + 40) * (2 if pair % 2 == 0 else 1)
-        need += (longest or 2 * (args.round_seconds + args.settle) + 40) / 2 if args.bpf_stats_round else 0
+        pair_s = longest or 2 * (args.round_seconds + args.settle) + 40
+        # a whole ABBA block ahead at its start, and the statistics round (half a pair) after the last
+        need = pair_s * (2 if pair % 2 == 0 else 1) + (pair_s / 2 if args.bpf_stats_round else 0)
         if args.deadline - (time.monotonic() - t0) < need + 20:
             per = "per two pairs (one ABBA block)" if pair % 2 == 0 else "per pair"
             out["notes"].append(f"stopped after {pair} pairs: {need:.0f} s needed {per}, deadline near")

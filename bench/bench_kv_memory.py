@@ -51,10 +51,10 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _slots(lo: int, back_at: dict[int, int], *, last: bool) -> list[int]:
+def _slots(lo: int, back_at: dict[int, int], *, last: bool, step: int) -> list[int]:
     """The hashes of a step's slots, a block that came back in the first: each leaves the pool
     it was stored in (a memory that never sees its removal would keep it as resident)."""
-    hashes = list(range(lo, lo + STEP))
+    hashes = list(range(lo, lo + step))
     if lo in back_at:
         hashes[0] = back_at.pop(lo) if last else back_at[lo]
     return hashes
@@ -79,7 +79,7 @@ def media(groups: int, offload: bool) -> tuple[MediumGroups, MediumGroups | None
 
 
 def run(
-    seconds: float, samples: int, offload: bool = False, groups: int = 1
+    seconds: float, samples: int, offload: bool = False, groups: int = 1, step: int = STEP
 ) -> tuple[list[tuple[float, float, float]], dict[str, int], float, float]:
     gpu, cpu = media(groups, offload)
     # hashes are consecutive integers: the resident pools are windows [nxt - pool, nxt), so the
@@ -87,7 +87,7 @@ def run(
     nxt = 1 << 62
     first = nxt
     total = int(seconds * RATE)
-    per_step = STEP * groups * (2 if offload else 1)  # every group announces the step's blocks
+    per_step = step * groups * (2 if offload else 1)  # every group announces the step's blocks
     steps = total // per_step
     every = max(steps // samples, 1)
     gc.collect()
@@ -97,11 +97,11 @@ def run(
     back_at: dict[int, int] = {}  # slot -> the old hash stored there (removed with its slot)
     for i in range(steps):
         ts = i * per_step / RATE
-        new = list(range(nxt, nxt + STEP))
+        new = list(range(nxt, nxt + step))
         back = nxt - POOL - BACK_AFTER
         if i % 50 == 0 and back > first:
             new[0] = back_at[nxt] = back  # a block removed ~100,000 removals ago comes back
-        nxt += STEP
+        nxt += step
         cpu_out = nxt - first > 4 * POOL
         gpu_out = nxt - first > POOL
         for g in range(groups):
@@ -112,10 +112,10 @@ def run(
                 c = cpu.group(g)
                 c.store(new, ts, 0)
                 if cpu_out:
-                    c.remove(_slots(nxt - 4 * POOL - STEP, back_at, last=last), ts, ts - 10.0)
+                    c.remove(_slots(nxt - 4 * POOL - step, back_at, last=last, step=step), ts, ts - 10.0)
             if gpu_out:
                 lower = [cpu.group(g)] if cpu is not None and gpu.is_full(g) else []
-                m.remove(_slots(nxt - POOL - STEP, back_at, last=last and cpu is None), ts, ts - 10.0, lower)
+                m.remove(_slots(nxt - POOL - step, back_at, last=last and cpu is None, step=step), ts, ts - 10.0, lower)
         if i % every == 0 or i == steps - 1:
             remembered = gpu.remembered + (cpu.remembered if cpu is not None else 0)
             curve.append((ts, rss_mib() - base, remembered))
@@ -143,6 +143,7 @@ def report(
     offload: bool,
     *,
     groups: int = 1,
+    step: int = STEP,
 ) -> str:
     cfg = EnginesConfig()
     media = (
@@ -165,7 +166,7 @@ def report(
         f"Host: {platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, "
         f"Python {platform.python_version()}.",
         f"Defaults: max_tracked_blocks {cfg.max_tracked_blocks:,}, regret_memory_blocks "
-        f"{cfg.regret_memory_blocks:,}; one stream, {media}; {STEP} blocks stored and {STEP} removed per "
+        f"{cfg.regret_memory_blocks:,}; one stream, {media}; {step} blocks stored and {step} removed per "
         f"event, a pool of {POOL:,} resident blocks, every 50th store a block removed ~100,000 removals ago.",
         f"Stream time {seconds:.0f} s at {RATE:,} blocks/s: {totals['stored']:,} blocks stored, "
         f"{totals['removed']:,} removed, {totals['regretted']:,} regretted, {totals['dropped']:,} offloads dropped; "
@@ -195,9 +196,8 @@ def main() -> None:
         "--step", type=int, default=STEP, help="blocks per event (1: a stream announcing one block an event)"
     )
     a = ap.parse_args()
-    globals()["STEP"] = a.step
-    curve, totals, cpu, _wall = run(a.seconds, a.samples, a.offload, a.groups)
-    text = report(a.seconds, curve, totals, cpu, a.offload, groups=a.groups)
+    curve, totals, cpu, _wall = run(a.seconds, a.samples, a.offload, a.groups, a.step)
+    text = report(a.seconds, curve, totals, cpu, a.offload, groups=a.groups, step=a.step)
     print(text)
     if a.out:
         a.out.write_text(text)

@@ -116,7 +116,7 @@ class CudaTracker(FamilyTracker):
         if pid not in self.attached:
             return None
         c = self._counters.get(pid)
-        return sum(self.api_calls(pid).values(), float(c.nested if c is not None else 0))
+        return float(sum(c.calls_by_api().values()) + c.nested) if c is not None else 0.0
 
     def view(self, pid: int) -> CudaView | None:
         """The process's CUDA counters for the snapshot, while the family tracks it."""

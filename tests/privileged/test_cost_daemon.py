@@ -13,7 +13,7 @@ from kvwatch.daemon.lab.workloads import workload_rule
 from tests.support.daemon import DaemonProcess, daemon, wait_attached, wait_until
 from tests.support.kernel import Child
 
-CONFIG = rf"""
+STUB_ENGINE = rf"""
 [daemon]
 tick_seconds = 0.5
 [discovery]
@@ -23,13 +23,17 @@ rules = [{workload_rule("stubengine", "cudacalls")}]
 memory = ["lifecycle"]
 cuda_rescan_seconds = 1
 transfer = false
-[self_cost]
+"""
+CONFIG = (
+    STUB_ENGINE
+    + """[self_cost]
 bpf_stats = true
 budget = 0.01
 window_seconds = 1
 windows = 2
 backoff_seconds = 3
 """
+)
 COPY = "cudaMemcpyAsync"
 
 
@@ -93,21 +97,14 @@ def test_shed_over_budget_then_attached_again_counting_exactly(tmp_path: Path, s
         assert m("kvwatch_uprobe_cost_seconds_total", pid=pid, family="cuda") > 0
 
 
-FIXED = rf"""
-[daemon]
-tick_seconds = 0.5
-[discovery]
-interval_seconds = 0.5
-rules = [{workload_rule("stubengine", "cudacalls")}]
-[probes]
-memory = ["lifecycle"]
-cuda_rescan_seconds = 1
-transfer = false
-[self_cost]
+FIXED = (
+    STUB_ENGINE
+    + """[self_cost]
 calibrate = false
 call_cost_ns = 1000
 budget = 0
 """
+)
 
 
 def test_the_meter_counts_every_trapped_call_the_driver_beneath_the_runtime_too(tmp_path: Path, stub: Path) -> None:
