@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import http
 import http.client
 import socket
 import ssl
@@ -53,6 +54,7 @@ MAX_BODY = 4 << 20  # 60 x the largest real page seen (vLLM 0.26.0 with its hist
 READ_CHUNK = 64 << 10
 WORKERS = 4
 ACCEPT = "text/plain;version=0.0.4"
+HTTP_STATUSES = frozenset(int(x) for x in http.HTTPStatus)  # http_NNN for these, http_other for the rest
 
 
 class ScrapeFailed(Exception):
@@ -171,7 +173,7 @@ def fetch(url: str, seconds: float) -> str:
         if 300 <= resp.status < 400:
             raise ScrapeFailed("redirect", f"HTTP {resp.status}, not followed")
         if not 200 <= resp.status < 300:
-            raise ScrapeFailed(f"http_{resp.status}")
+            raise ScrapeFailed(f"http_{resp.status}" if resp.status in HTTP_STATUSES else "http_other")
         return _body(resp).decode("utf-8", errors="replace")
     finally:
         conn.close()

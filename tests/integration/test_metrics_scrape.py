@@ -7,6 +7,7 @@ them with prometheus-client and each engine's own metric declarations)."""
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
@@ -264,3 +265,19 @@ def test_non_finite_and_negative_samples_are_rejected_counted_and_never_exported
     rejected = {x.labels["reason"]: x.value for x in families["kvwatch_engine_samples_rejected"].samples}
     assert rejected == {"infinite": 4, "negative": 2, "nan": 2}
     assert all(math.isfinite(x.value) and x.value >= 0 for f in families.values() for x in f.samples)
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_listener_that_never_answers_fails_by_the_deadline(scheme: str) -> None:
+    """Connected (the kernel's backlog accepts) but never read: the request, or the TLS
+    handshake, waits for nothing past the deadline."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        assert scrape(f"{scheme}://127.0.0.1:{port}/metrics", timeout=0.5) == (None, {"deadline": 1})
+
+
+def test_tls_to_a_plain_http_engine_is_a_tls_failure(server: tuple[str, Routes]) -> None:
+    base, _ = server
+    assert scrape(base.replace("http://", "https://") + "/metrics") == (None, {"tls": 1})
