@@ -100,14 +100,22 @@ class _DeadlineSocket(socket.socket):
 
 
 class _DeadlineTLSSocket(ssl.SSLSocket):
-    """The same over TLS: each read of a record is given the time left."""
+    """The same over TLS: each read of a record, and the request's write, is given the time left
+    (the handshake has what was left when the connection was made)."""
 
     deadline: _Deadline | None = None
 
-    def read(self, len: int = 1024, buffer: Any = None) -> Any:
+    def _arm(self) -> None:
         if self.deadline is not None:
             self.settimeout(self.deadline.left())
+
+    def read(self, len: int = 1024, buffer: Any = None) -> Any:
+        self._arm()
         return super().read(len, buffer)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
 
 
 @functools.cache
