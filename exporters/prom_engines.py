@@ -229,8 +229,22 @@ class _ScrapeFamilies:
     def __init__(self, labels: list[str]) -> None:
         self.scrapes = CounterMetricFamily(
             "kvwatch_engine_scrapes",
-            "scrapes of the engine's /metrics by result (ok, timeout, connect, http_NNN, parse)",
+            "scrapes of the engine's /metrics by result (ok, deadline, connect, redirect, http_NNN, protocol, "
+            "tls, too_large, parse, url, other)",
             labels=[*labels, "result"],
+        )
+        self.rejected = CounterMetricFamily(
+            "kvwatch_engine_samples_rejected",
+            "samples of the engine's /metrics that kvwatch reads, dropped from pages that counted, by reason "
+            "(nan, infinite, negative, too_large, above_one, bad_label)",
+            labels=[*labels, "reason"],
+        )
+        self.refused = GaugeMetricFamily(
+            "kvwatch_engine_taps_refused",
+            "taps the engine's command line asked for that kvwatch refused, by reason (metrics_host: not the "
+            "engine's own address; metrics_port; kv_event_streams: data-parallel ranks past 256; "
+            "kv_event_endpoint: a port out of range, a path outside the engine's root)",
+            labels=[*labels, "reason"],
         )
         self.usage = GaugeMetricFamily(
             "kvwatch_engine_kv_usage_ratio", "KV pool usage the engine reports (0..1)", labels=labels
@@ -246,16 +260,20 @@ class _ScrapeFamilies:
             self._add_scrape(v, e.scrape)
         if e.hit_ratio is not None:
             self.hit.add_metric(v, e.hit_ratio)
+        for reason, n in sorted(e.plan.refused.items()):
+            self.refused.add_metric([*v, reason], n)
 
     def _add_scrape(self, v: list[str], scrape: TargetState) -> None:
         self.scrapes.add_metric([*v, "ok"], scrape.ok)
         for reason, n in sorted(scrape.failures.items()):
             self.scrapes.add_metric([*v, reason], n)
+        for reason, n in sorted(scrape.rejected.items()):
+            self.rejected.add_metric([*v, reason], n)
         if scrape.last is not None and scrape.last.usage is not None:
             self.usage.add_metric(v, scrape.last.usage)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.scrapes, self.usage, self.hit)
+        yield from (self.scrapes, self.rejected, self.refused, self.usage, self.hit)
 
 
 class _EngineCounters:

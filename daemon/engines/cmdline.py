@@ -9,7 +9,12 @@ keep their spaces):
 * SGLang (``sglang.launch_server``): ``--enable-metrics`` with ``--host``
   (default 127.0.0.1) / ``--port`` (default 30000) → ``/metrics``.
 
-Where each endpoint is reached from kvwatch is ``Reach``'s to say (``reach.py``).
+Where each endpoint is reached from kvwatch is ``Reach``'s to say (``reach.py``), and only an
+endpoint of the process's own is tapped. A command line asks for at most
+``MAX_DATA_PARALLEL_RANKS`` KV event streams (``[[engines.endpoints]]``'s own bound). What is
+refused is a note of the plan and counted in its ``refused`` by reason: ``metrics_host``,
+``metrics_port``, ``kv_event_streams`` (ranks past the bound), ``kv_event_endpoint`` (a port
+out of 1..65535, an ipc path leaving the engine's root).
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvwatch.daemon.config import EnginesConfig
-from kvwatch.daemon.engines.reach import Reach
+from kvwatch.daemon.engines.reach import Reach, port_number
 from kvwatch.daemon.engines.views import EnginePlan, StreamSpec
 from kvwatch.daemon.tracker import Tracked
 
 VLLM_KV_EVENTS_DEFAULT = "tcp://*:5557"
 VLLM_PORT = 8000
 SGLANG_PORT = 30000
+MAX_DATA_PARALLEL_RANKS = 256  # as config's [[engines.endpoints]] data_parallel_ranks
+MAX_RANK_FLAG = 1 << 31  # a rank count or start read from a command line is clamped to this
 
 
 def flag_values(argv: Sequence[str]) -> dict[str, str]:
@@ -62,9 +69,12 @@ def _first(flags: Mapping[str, str], *names: str) -> str | None:
     return None
 
 
-def _int(value: str | None, default: int) -> int:
+def _rank_flag(value: str | None, default: int) -> int:
+    """A data-parallel size, rank or start: clamped to 0..MAX_RANK_FLAG (the default when not a number)."""
+    if value is None or len(value) > 20:
+        return default
     try:
-        return int(value) if value is not None else default
+        return min(max(int(value), 0), MAX_RANK_FLAG)
     except ValueError:
         return default
 
@@ -94,17 +104,23 @@ def vllm_kv_events(flags: Mapping[str, str]) -> tuple[dict[str, Any] | None, str
     return cfg, ""
 
 
-def data_parallel_ranks(flags: Mapping[str, str]) -> list[int]:
-    """The global DP ranks whose engines run under this API server."""
+def rank_span(flags: Mapping[str, str]) -> range:
+    """The global DP ranks whose engines run under this API server, as the command line asks."""
     explicit = _first(flags, "--data-parallel-rank", "-dpn")
     if explicit is not None:
-        return [_int(explicit, 0)]
-    size = _int(_first(flags, "--data-parallel-size", "-dp"), 1)
-    local = _int(_first(flags, "--data-parallel-size-local", "-dpl"), size)
-    start = _int(_first(flags, "--data-parallel-start-rank", "-dpr"), 0)
+        rank = _rank_flag(explicit, 0)
+        return range(rank, rank + 1)
+    size = _rank_flag(_first(flags, "--data-parallel-size", "-dp"), 1)
+    local = _rank_flag(_first(flags, "--data-parallel-size-local", "-dpl"), size)
+    start = _rank_flag(_first(flags, "--data-parallel-start-rank", "-dpr"), 0)
     if "--headless" not in flags and start == 0 and local == size:
-        return list(range(size))
-    return list(range(start, start + max(local, 0)))
+        return range(size)
+    return range(start, start + local)
+
+
+def data_parallel_ranks(flags: Mapping[str, str]) -> list[int]:
+    """Those ranks, the first MAX_DATA_PARALLEL_RANKS of them."""
+    return list(rank_span(flags)[:MAX_DATA_PARALLEL_RANKS])
 
 
 def offset_port(endpoint: str, rank: int) -> str:
@@ -116,48 +132,80 @@ def offset_port(endpoint: str, rank: int) -> str:
     return f"{base}:{int(port) + rank}"
 
 
-def _vllm_plan(t: Tracked, flags: Mapping[str, str], cfg: EnginesConfig, reach: Reach, notes: list[str]) -> EnginePlan:
+class _Planning:
+    """A plan's notes, and what it refused counted by reason."""
+
+    def __init__(self, t: Tracked, reach: Reach) -> None:
+        self.t = t
+        self.reach = reach
+        self.notes: list[str] = []
+        self.refused: dict[str, int] = {}
+
+    def note(self, text: str, refused: str = "", n: int = 1) -> None:
+        if text:
+            self.notes.append(text)
+        if refused:
+            self.refused[refused] = self.refused.get(refused, 0) + n
+
+    def connect(self, endpoint: str) -> str | None:
+        addr, note, refused = self.reach.connect(endpoint, self.t.pid)
+        self.note(note, "kv_event_endpoint" if refused else "")
+        return addr
+
+    def metrics_url(self, scheme: str, host: str | None, port: str | None, default_port: int) -> str | None:
+        addr, note, refused = self.reach.http_host(host, self.t.pid)
+        if addr is None:
+            self.note(note, "metrics_host" if refused else "")
+            return None
+        number = default_port if port is None else port_number(port)
+        if number is None:
+            self.note("metrics --port is not a port in 1..65535: refused", "metrics_port")
+            return None
+        return f"{scheme}://{_bracket(addr)}:{number}/metrics"
+
+    def plan(self, streams: Sequence[StreamSpec], url: str | None) -> EnginePlan:
+        return EnginePlan(self.t.key, self.t.pid, tuple(streams), url, tuple(self.notes), refused=self.refused)
+
+
+def _vllm_streams(
+    flags: Mapping[str, str], kv: Mapping[str, Any], cfg: EnginesConfig, p: _Planning
+) -> list[StreamSpec]:
+    endpoint = str(kv.get("endpoint") or VLLM_KV_EVENTS_DEFAULT)
+    replay = kv.get("replay_endpoint") if cfg.kv_events_replay else None
+    topic = str(kv.get("topic") or "")
+    span = rank_span(flags)
+    if len(span) > MAX_DATA_PARALLEL_RANKS:
+        first = MAX_DATA_PARALLEL_RANKS
+        p.note(f"{len(span)} data-parallel ranks asked for: KV event streams of the first {first} only")
+        p.note("", "kv_event_streams", len(span) - first)
     streams: list[StreamSpec] = []
+    for rank in span[:MAX_DATA_PARALLEL_RANKS]:
+        addr = p.connect(offset_port(endpoint, rank))
+        if addr is None:
+            continue
+        raddr = p.connect(offset_port(str(replay), rank)) if replay else None
+        streams.append(StreamSpec(addr, raddr, topic, rank, p.t.key))
+    return streams
+
+
+def _vllm_plan(t: Tracked, flags: Mapping[str, str], cfg: EnginesConfig, reach: Reach) -> EnginePlan:
+    p = _Planning(t, reach)
     kv, problem = vllm_kv_events(flags)
-    if problem:
-        notes.append(problem)
-    if kv is not None and cfg.kv_events:
-        endpoint = str(kv.get("endpoint") or VLLM_KV_EVENTS_DEFAULT)
-        replay = kv.get("replay_endpoint") if cfg.kv_events_replay else None
-        topic = str(kv.get("topic") or "")
-        for rank in data_parallel_ranks(flags):
-            addr, note = reach.connect(offset_port(endpoint, rank), t.pid)
-            if addr is None:
-                notes.append(note)
-                continue
-            raddr = None
-            if replay:
-                raddr, rnote = reach.connect(offset_port(str(replay), rank), t.pid)
-                if rnote:
-                    notes.append(rnote)
-            streams.append(StreamSpec(addr, raddr, topic, rank, t.key))
+    p.note(problem)
+    streams = _vllm_streams(flags, kv, cfg, p) if kv is not None and cfg.kv_events else []
     url = None
     if cfg.metrics and "--uds" not in flags:
-        host, note = reach.http_host(flags.get("--host"), t.pid)
         scheme = "https" if "--ssl-keyfile" in flags else "http"
-        if host is None:
-            notes.append(note)
-        else:
-            url = f"{scheme}://{_bracket(host)}:{_int(flags.get('--port'), VLLM_PORT)}/metrics"
-    return EnginePlan(t.key, t.pid, tuple(streams), url, tuple(notes))
+        url = p.metrics_url(scheme, flags.get("--host"), flags.get("--port"), VLLM_PORT)
+    return p.plan(streams, url)
 
 
-def _sglang_plan(
-    t: Tracked, flags: Mapping[str, str], cfg: EnginesConfig, reach: Reach, notes: list[str]
-) -> EnginePlan:
+def _sglang_plan(t: Tracked, flags: Mapping[str, str], cfg: EnginesConfig, reach: Reach) -> EnginePlan:
+    p = _Planning(t, reach)
     url = None
     if cfg.metrics and flags.get("--enable-metrics") == "true":
-        host, note = reach.http_host(flags.get("--host", "127.0.0.1"), t.pid)
-        if host is None:
-            notes.append(note)
-        else:
-            url = f"http://{_bracket(host)}:{_int(flags.get('--port'), SGLANG_PORT)}/metrics"
-    return EnginePlan(t.key, t.pid, (), url, tuple(notes))
+        url = p.metrics_url("http", flags.get("--host", "127.0.0.1"), flags.get("--port"), SGLANG_PORT)
+    return p.plan((), url)
 
 
 def carries_vllm_kv_events(flags: Mapping[str, str]) -> bool:
@@ -172,12 +220,12 @@ def plan_from_cmdline(t: Tracked, argv: Sequence[str], cfg: EnginesConfig, reach
     engine, component = t.proc.labels.engine, t.proc.labels.component
     flags = flag_values(argv[1:])
     if engine == "vllm" and component == "api_server":
-        plan = _vllm_plan(t, flags, cfg, reach, [])
+        plan = _vllm_plan(t, flags, cfg, reach)
     elif engine == "sglang" and component == "server":
-        plan = _sglang_plan(t, flags, cfg, reach, [])
+        plan = _sglang_plan(t, flags, cfg, reach)
     elif carries_vllm_kv_events(flags):
         metrics = engine == "vllm" or "--port" in flags
-        plan = _vllm_plan(t, flags, cfg if metrics else cfg.model_copy(update={"metrics": False}), reach, [])
+        plan = _vllm_plan(t, flags, cfg if metrics else cfg.model_copy(update={"metrics": False}), reach)
     else:
         return None
     if not plan.streams and plan.metrics_url is None and not plan.notes:

@@ -41,8 +41,20 @@ MIN_LEARN_BLOCKS = 64  # CPU blocks announced, for the ratio
 K_TOLERANCE = 0.02  # how near an integer the stream's blocks per divisor must be
 
 
+MAX_COUNT = float(2**63)  # the largest count the ledger takes, as at the /metrics parse (engines/exposition.py)
+
+
 def tier_of(medium: str) -> str:
     return medium.lower()
+
+
+def _count(value: float | None) -> float | None:
+    """A cumulative count the ledger can take: finite, not negative, an int64's at most. The
+    /metrics parse drops any other already; the ledger holds on its own, so that one engine's
+    bad number never raises in the tick's loop over every engine's ledger."""
+    if value is None or not (0.0 <= value <= MAX_COUNT):  # NaN fails the comparison too
+        return None
+    return value
 
 
 class BlockBytes:
@@ -74,6 +86,7 @@ class BlockBytes:
         self._scrapes = 0
 
     def observe(self, at: float, offload_store_bytes: float | None, cpu_blocks_stored: int) -> None:
+        offload_store_bytes = _count(offload_store_bytes)
         if self.source in ("config", "offload") or offload_store_bytes is None or at <= self._at:
             return
         self._at = at
@@ -129,9 +142,14 @@ class EngineLedger:
         self._seen: dict[tuple[object, ...], float] = {}  # (source, part..., field) -> last value
 
     def _delta(self, key: tuple[object, ...], value: float) -> float:
+        """What a cumulative count grew by since it was last seen; a value that is no count
+        (``_count``) is skipped, the last good one kept."""
+        checked = _count(value)
+        if checked is None:
+            return 0.0
         last = self._seen.get(key)
-        self._seen[key] = value
-        return max(value - last, 0.0) if last is not None else value
+        self._seen[key] = checked
+        return max(checked - last, 0.0) if last is not None else checked
 
     def add_blocks(self, tier: str, cause: str, blocks: int, tenant: str | None = None) -> None:
         """``tenant``: the share of a row that is one tenant's (the row itself counted apart)."""

@@ -1,194 +1,262 @@
-"""Engine ``/metrics`` reader: the few numbers detectors join with kvwatch's own evidence.
+"""Scraping engines' ``/metrics``: each engine on its own cadence, each scrape held to a deadline.
 
-Parsed with prometheus-client's parser (the engines export with prometheus-client
-too). Names per engine (read off vLLM 0.9.2 / 0.11.0 / 0.33.0, SGLang
-0.5.23, LMCache 0.5.6 sources); where a release exports an old and a new name for
-the same thing, the first one present in each list below is used, never both.
-
-Re-exported on kvwatch's /metrics, as the last scrape read them: the numbers its alerts
-join with (KV usage, prefix-cache queries and hits per medium, preemptions, sleep, the
+What a page says is ``exposition.py``'s to read; here is when each engine is scraped and how a
+scrape ends. Re-exported on kvwatch's /metrics, as the last scrape read them: the numbers its
+alerts join with (KV usage, prefix-cache queries and hits per medium, preemptions, sleep, the
 engine's own offload byte counts beside the copy probes'); nothing else of the engine's.
-Its latency histograms (``engines/latency.py``) travel in the snapshot for ``kvwatch record``.
+
+* Every target is scraped each ``interval`` seconds on its own schedule, at most one scrape in
+  flight per target, on at most ``workers`` threads: a slow engine delays no other. When more
+  engines are stuck than there are workers, each holds its worker until its deadline and the
+  target that has waited longest goes next; a scrape that overran its interval waits one
+  interval after it ends.
+* One scrape (connecting, the engine's answer, reading and parsing the page) ends within
+  ``timeout`` seconds: every wait on the socket is given only the time left, so an engine that
+  trickles its answer a byte at a time fails at the deadline (``deadline``), and so does a page
+  still being parsed.
+* Redirects are never followed (a 3xx is the failure ``redirect``); a page is at most
+  ``MAX_BODY`` bytes (``too_large``). Where the URL came from an engine's command line, its host
+  is one of the engine's own addresses (``reach.py``).
+* Every failure is counted by reason (``kvwatch_engine_scrapes_total{result}``) and logged once
+  per engine and reason, with where it happened: never the page's text, the engine's reason
+  phrase or the URL's user info.
 """
 
 from __future__ import annotations
 
-import math
+import errno
+import functools
+import http
+import http.client
+import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import structlog
-from kvwatch.daemon.engines import latency
-from kvwatch.daemon.engines.tiers import read_tiers, wanted
+from kvwatch.daemon.engines.exposition import DeadlineExceeded, PageError, parse_exposition
 from kvwatch.daemon.engines.views import EngineSample, ScrapeTarget, TargetState
-from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+__all__ = ["MAX_BODY", "EngineScraper", "ScrapeFailed", "failure", "fetch", "parse_exposition"]
 
 log = structlog.get_logger("kvwatch.engine_metrics")
 
-MAX_BODY = 16 << 20
+MAX_BODY = 4 << 20  # 60 x the largest real page seen (vLLM 0.26.0 with its histograms: 67 KB)
+READ_CHUNK = 64 << 10
+WORKERS = 4
+ACCEPT = "text/plain;version=0.0.4"
+HTTP_STATUSES = frozenset(int(x) for x in http.HTTPStatus)  # http_NNN for these, http_other for the rest
 
-# field -> sample names in order of preference (counters as exposed, with _total)
-USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")  # 0..1
-PREFIX_QUERIES = (
-    "vllm:prefix_cache_queries_total",
-    "vllm:gpu_prefix_cache_queries_total",
-    "sglang:prompt_tokens_total",
+
+class ScrapeFailed(Exception):
+    """A scrape that got no page: ``reason`` is its counted result, ``detail`` names no content."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the scrape's deadline passed")
+        return left
+
+
+class _DeadlineSocket(socket.socket):
+    """A TCP socket whose every wait is given only the time left before the scrape's deadline."""
+
+    deadline: _Deadline | None = None
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            self.settimeout(self.deadline.left())
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        return super().recv(bufsize, flags)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+
+class _DeadlineTLSSocket(ssl.SSLSocket):
+    """The same over TLS: each read of a record, and the request's write, is given the time left
+    (the handshake has what was left when the connection was made)."""
+
+    deadline: _Deadline | None = None
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            self.settimeout(self.deadline.left())
+
+    def read(self, len: int = 1024, buffer: Any = None) -> Any:
+        self._arm()
+        return super().read(len, buffer)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    ctx = ssl.create_default_context()  # verified, as urllib did: an engine's own certificate must be trusted
+    ctx.sslsocket_class = _DeadlineTLSSocket
+    return ctx
+
+
+def _open(host: str, port: int, deadline: _Deadline) -> _DeadlineSocket:
+    last: OSError = ConnectionError("no address")
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = _DeadlineSocket(family, kind, proto)
+        sock.deadline = deadline
+        try:
+            sock.settimeout(deadline.left())
+            sock.connect(addr)
+        except OSError as err:
+            sock.close()
+            last = err
+            continue
+        return sock
+    raise last
+
+
+class _Connection(http.client.HTTPConnection):
+    def __init__(self, host: str, port: int | None, deadline: _Deadline) -> None:
+        super().__init__(host, port, timeout=deadline.left())
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        self.sock = _open(self.host, self.port, self.deadline)
+
+
+class _TLSConnection(http.client.HTTPSConnection):
+    def __init__(self, host: str, port: int | None, deadline: _Deadline) -> None:
+        super().__init__(host, port, timeout=deadline.left(), context=_tls())
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        sock = _tls().wrap_socket(_open(self.host, self.port, self.deadline), server_hostname=self.host)
+        if isinstance(sock, _DeadlineTLSSocket):  # always: the context makes these
+            sock.deadline = self.deadline
+        self.sock = sock
+
+
+def fetch(url: str, seconds: float) -> str:
+    """GET one page within ``seconds`` all told. Raises ScrapeFailed, DeadlineExceeded, OSError
+    or http.client's errors (``failure`` names each)."""
+    deadline = _Deadline(seconds)
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ScrapeFailed("url", "port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ScrapeFailed("url", "scheme or host")
+    conn = (_TLSConnection if parts.scheme == "https" else _Connection)(parts.hostname, port, deadline)
+    try:
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", path, headers={"Accept": ACCEPT})
+        resp = conn.getresponse()
+        if 300 <= resp.status < 400:
+            raise ScrapeFailed("redirect", f"HTTP {resp.status}, not followed")
+        if not 200 <= resp.status < 300:
+            raise ScrapeFailed(f"http_{resp.status}" if resp.status in HTTP_STATUSES else "http_other")
+        return _body(resp).decode("utf-8", errors="replace")
+    finally:
+        conn.close()
+
+
+def _body(resp: http.client.HTTPResponse) -> bytes:
+    if resp.length is not None and resp.length > MAX_BODY:
+        raise ScrapeFailed("too_large", f"more than {MAX_BODY} bytes")
+    chunks, size = [], 0
+    while chunk := resp.read(READ_CHUNK):
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ScrapeFailed("too_large", f"more than {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# in order: the first class an error is an instance of names its reason
+_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
+    (TimeoutError, "deadline"),  # socket timeouts too: every wait was given the time left
+    (ssl.SSLError, "tls"),
+    (http.client.RemoteDisconnected, "connect"),  # closed without an answer
+    (http.client.HTTPException, "protocol"),
+    (OSError, "connect"),
 )
-PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "sglang:cached_tokens_total")
-PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
-GENERATION_TOKENS = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
-RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-EVICTED_TOKENS = ("sglang:evicted_tokens_total",)
-IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
-SLEEP_STATE = "vllm:engine_sleep_state"
-CACHE_CONFIG = "vllm:cache_config_info"  # label num_gpu_blocks: the GPU pool, per engine
-EXTERNAL_QUERIES = ("vllm:external_prefix_cache_queries_total",)  # tokens asked of a KV connector (CPU tier)
-EXTERNAL_HITS = ("vllm:external_prefix_cache_hits_total",)
-OFFLOAD_STORE_BYTES = ("vllm:kv_offload_store_bytes_total",)  # OffloadingConnector: GPU -> CPU
-OFFLOAD_LOAD_BYTES = ("vllm:kv_offload_load_bytes_total",)  # CPU -> GPU
-OFFLOAD_BY_TYPE = "vllm:kv_offload_total_bytes_total"  # the same, by transfer_type (older name, kept in 0.26)
-LMCACHE_EVICTED_KEYS = ("lmcache:local_cpu_evict_keys_count_total",)
-LMCACHE_HIT_TOKENS = ("lmcache:num_hit_tokens_total",)
-LMCACHE_REQUESTED_TOKENS = ("lmcache:num_requested_tokens_total",)
 
 
-def _keep(labels: Mapping[str, str]) -> bool:
-    """SGLang exports one series per tensor-parallel rank; rank 0 speaks for the engine."""
-    return labels.get("tp_rank", "0") == "0"
+def failure(err: BaseException, seconds: float) -> tuple[str, str]:
+    """A failed scrape's counted reason, and where it failed: never text the engine sent."""
+    if isinstance(err, ScrapeFailed):
+        return err.reason, err.detail
+    if isinstance(err, PageError):
+        return "parse", str(err)
+    reason = next((r for kind, r in _FAILURES if isinstance(err, kind)), "other")
+    if reason == "deadline":
+        return reason, f"no page within {seconds:g} s"
+    code = err.errno if isinstance(err, OSError) and reason == "connect" else None
+    return reason, errno.errorcode.get(code or 0, type(err).__name__)
 
 
-@dataclass(slots=True)
-class _Page:
-    """What one page holds beyond plain sums and maxima."""
-
-    awake: list[float] = field(default_factory=list)
-    buckets: list[tuple[float, float]] = field(default_factory=list)
-    idle_count: float | None = None
-    by_type: dict[str, float] = field(default_factory=dict)  # offload bytes under the older, labelled name
-    pool: float | None = None
-
-    def take(self, name: str, labels: Mapping[str, str], value: float) -> bool:
-        """True when the sample is one of these (and taken)."""
-        if name == SLEEP_STATE:
-            if labels.get("sleep_state") == "awake":
-                self.awake.append(value)
-        elif name == CACHE_CONFIG:
-            blocks = labels.get("num_gpu_blocks", "")
-            if blocks.isdigit():
-                self.pool = (self.pool or 0.0) + float(blocks)  # one series per data-parallel engine
-        elif name == OFFLOAD_BY_TYPE:
-            name = {"GPU_to_CPU": OFFLOAD_STORE_BYTES[0], "CPU_to_GPU": OFFLOAD_LOAD_BYTES[0]}.get(
-                labels.get("transfer_type", ""), name
-            )
-            self.by_type[name] = self.by_type.get(name, 0.0) + value
-        elif name.startswith(IDLE_BEFORE_EVICT):
-            if name.endswith("_bucket"):
-                self.buckets.append((float(labels.get("le", "inf")), value))
-            elif name.endswith("_count"):
-                self.idle_count = (self.idle_count or 0.0) + value
-        else:
-            return False
-        return True
-
-
-def parse_exposition(text: str, *, at: float, thrash_seconds: float = 10.0) -> EngineSample:
-    """Raises ValueError on text that is not the Prometheus exposition format."""
-    sums: dict[str, float] = {}
-    maxes: dict[str, float] = {}
-    page = _Page()
-    # every rank and label set: engines/tiers.py and engines/latency.py decide (each skips the other's)
-    picked: list[tuple[str, dict[str, str], float]] = []
-    families = 0
-    for fam in text_string_to_metric_families(text):
-        families += 1
-        for s in fam.samples:
-            if math.isnan(s.value):
-                continue
-            if wanted(s.name) or latency.wanted(s.name):
-                picked.append((s.name, s.labels, s.value))
-            if not _keep(s.labels) or page.take(s.name, s.labels, s.value):
-                continue
-            sums[s.name] = sums.get(s.name, 0.0) + s.value
-            maxes[s.name] = max(maxes.get(s.name, -math.inf), s.value)
-    awake, buckets, idle_count, by_type = page.awake, page.buckets, page.idle_count, page.by_type
-
-    def first(names: Iterable[str], table: Mapping[str, float]) -> float | None:
-        for n in names:
-            if n in table:
-                return table[n]
-        return None
-
-    young: float | None = None
-    if idle_count is not None:  # cumulative buckets: the largest edge not above thrash_seconds
-        edge = max((le for le, _ in buckets if le <= thrash_seconds), default=None)
-        young = sum(v for le, v in buckets if le == edge) if edge is not None else 0.0
-    return EngineSample(
-        at=at,
-        usage=first(USAGE, maxes),
-        prefix_queries=first(PREFIX_QUERIES, sums),
-        prefix_hits=first(PREFIX_HITS, sums),
-        preemptions=first(PREEMPTIONS, sums),
-        running=first(RUNNING, sums),
-        waiting=first(WAITING, sums),
-        sleeping=(min(awake) == 0.0) if awake else None,
-        evicted_tokens=first(EVICTED_TOKENS, sums),
-        idle_evict_samples=idle_count,
-        idle_evict_young=young,
-        lmcache_evicted_keys=first(LMCACHE_EVICTED_KEYS, sums),
-        lmcache_hit_tokens=first(LMCACHE_HIT_TOKENS, sums),
-        lmcache_requested_tokens=first(LMCACHE_REQUESTED_TOKENS, sums),
-        external_queries=first(EXTERNAL_QUERIES, sums),
-        external_hits=first(EXTERNAL_HITS, sums),
-        offload_store_bytes=first(OFFLOAD_STORE_BYTES, {**by_type, **sums}),  # the flat name when both
-        offload_load_bytes=first(OFFLOAD_LOAD_BYTES, {**by_type, **sums}),
-        generation_tokens=first(GENERATION_TOKENS, sums),
-        pool_blocks=page.pool,
-        tiers=read_tiers(picked),
-        latencies=latency.read_latencies(picked),
-        families=families,
-    )
-
-
-def fetch(url: str, timeout: float) -> str:
-    req = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})  # noqa: S310 - http(s) only
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - scheme checked by the caller
-        body: bytes = resp.read(MAX_BODY + 1)
-    if len(body) > MAX_BODY:
-        raise ValueError(f"body larger than {MAX_BODY} bytes")
-    return body.decode("utf-8", errors="replace")
-
-
-def _reason(err: BaseException) -> str:
-    if isinstance(err, urllib.error.HTTPError):
-        return f"http_{err.code}"
-    if isinstance(err, TimeoutError) or "timed out" in str(err):
-        return "timeout"
-    if isinstance(err, urllib.error.URLError | ConnectionError | OSError):
-        return "connect"
-    if isinstance(err, ValueError):
-        return "parse"
-    return "other"
+def shown_url(url: str) -> str:
+    """A URL for a log line: scheme, host, port and path (no user info, no query)."""
+    try:
+        p = urlsplit(url)
+        port = p.port
+    except ValueError:
+        return "(unparsable)"
+    return f"{p.scheme}://{p.hostname}{f':{port}' if port else ''}{p.path}"
 
 
 @dataclass(slots=True)
 class _Target:
-    """The scraper thread's own, mutable account of a target (``TargetState`` is its copy)."""
+    """The scraper's own, mutable account of a target (``TargetState`` is its copy)."""
 
     ok: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> samples
     last: EngineSample | None = None
     last_error: str = ""
+    due: float = 0.0  # monotonic time its next scrape may start
+    logged: set[str] = field(default_factory=set)  # what was logged of it already
+
+    def copy(self, t: ScrapeTarget) -> TargetState:
+        return TargetState(t, self.ok, dict(self.failures), self.last, self.last_error, dict(self.rejected))
+
+    def log_once(self, kind: str, event: str, url: str, **kw: object) -> None:
+        if kind not in self.logged:
+            self.logged.add(kind)
+            log.warning(event, url=shown_url(url), **kw)
 
 
 class EngineScraper:
-    """Scrapes every target each ``interval`` seconds on its own thread (a few workers,
-    each request bounded by ``timeout``); the agent reads ``states()``."""
+    """Scrapes every target each ``interval`` seconds, on its own cadence (``_run``'s thread
+    schedules, ``workers`` threads scrape, each scrape within ``timeout``); the agent reads
+    ``states()``."""
 
     def __init__(
         self,
@@ -198,18 +266,21 @@ class EngineScraper:
         thrash_seconds: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         fetcher: Callable[[str, float], str] = fetch,
+        workers: int = WORKERS,
     ) -> None:
         self.interval = interval
         self.timeout = timeout
         self.thrash_seconds = thrash_seconds
-        self.clock = clock
+        self.clock = clock  # a sample's time; scheduling and deadlines run on time.monotonic
         self.fetcher = fetcher
+        self.workers = workers
         self._lock = threading.Lock()
         self._states: dict[ScrapeTarget, _Target] = {}
+        self._flying: set[ScrapeTarget] = set()  # a scrape in flight (a target removed meanwhile too)
         self._stop = threading.Event()
-        self._kick = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvwatch-scrape")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwatch-scrape")
 
     def start(self) -> None:
         if self._thread is None:
@@ -218,60 +289,104 @@ class EngineScraper:
 
     def set_targets(self, targets: Iterable[ScrapeTarget]) -> None:
         wanted = set(targets)
+        now = time.monotonic()
         with self._lock:
             new = wanted - self._states.keys()
             for t in list(self._states):
                 if t not in wanted:
                     del self._states[t]
             for t in new:
-                self._states[t] = _Target()
+                self._states[t] = _Target(due=now)  # a new engine is scraped at once
         if new:
-            self._kick.set()  # scrape a new engine at once
+            self._wake.set()
 
     def states(self) -> dict[ScrapeTarget, TargetState]:
         with self._lock:
-            return {t: TargetState(t, s.ok, dict(s.failures), s.last, s.last_error) for t, s in self._states.items()}
+            return {t: s.copy(t) for t, s in self._states.items()}
 
     def close(self) -> None:
+        """Stops scheduling; a scrape in flight ends by its deadline on its own."""
         self._stop.set()
-        self._kick.set()
+        self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.timeout + 5)
+            self._thread.join(timeout=5.0)  # the scheduler never waits on a scrape
             self._thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def scrape_once(self) -> None:
+        """Scrape every target not in flight now, together, and wait for them (each within its
+        deadline): for ``kvwatch doctor`` and tests; the daemon's thread schedules on its own."""
         with self._lock:
-            targets = list(self._states)
-        results = list(self._pool.map(self._scrape, targets))
-        with self._lock:
-            for target, (sample, err) in zip(targets, results, strict=True):
-                st = self._states.get(target)
-                if st is None:
-                    continue
-                if sample is not None:
-                    st.ok += 1
-                    st.last = sample
-                    st.last_error = ""
-                elif err is not None:
-                    reason = _reason(err)
-                    if not st.failures:
-                        log.warning("engine metrics scrape failed", url=target.url, reason=reason, error=str(err))
-                    st.failures[reason] = st.failures.get(reason, 0) + 1
-                    st.last_error = f"{reason}: {err}"
-
-    def _scrape(self, target: ScrapeTarget) -> tuple[EngineSample | None, BaseException | None]:
-        try:
-            text = self.fetcher(target.url, self.timeout)
-            return parse_exposition(text, at=self.clock(), thrash_seconds=self.thrash_seconds), None
-        except Exception as err:  # any failure of a peer is a counted scrape failure
-            return None, err
+            targets = [t for t in self._states if t not in self._flying]
+            self._flying.update(targets)
+        wait_all([self._pool.submit(self._work, t) for t in targets])
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._kick.clear()
+            self._wake.clear()
             try:
-                self.scrape_once()
-            except Exception as err:
-                log.warning("engine metrics round failed", error=str(err))
-            self._kick.wait(self.interval)
+                pause = self._dispatch()
+            except Exception as err:  # never let the schedule die; a scrape's own errors are counted
+                log.warning("engine metrics schedule failed", error=type(err).__name__)
+                pause = self.interval
+            self._wake.wait(pause)
+
+    def _dispatch(self) -> float:
+        """Start the due targets free workers can take, the longest waiting first; returns the
+        seconds until the next is due (a finished scrape wakes the schedule sooner)."""
+        now = time.monotonic()
+        with self._lock:
+            waiting = sorted(
+                ((st.due, t) for t, st in self._states.items() if t not in self._flying), key=lambda x: x[0]
+            )
+            free = max(self.workers - len(self._flying), 0)
+            start = [t for due, t in waiting if due <= now][:free]
+            self._flying.update(start)
+        for t in start:
+            try:
+                self._pool.submit(self._work, t)
+            except RuntimeError:  # closing: the pool takes no more
+                with self._lock:
+                    self._flying.discard(t)
+        later = [due for due, t in waiting if t not in start]
+        if not later or len(start) >= free:
+            return self.interval
+        return max(min(later) - now, 0.0)
+
+    def _work(self, target: ScrapeTarget) -> None:
+        started = time.monotonic()
+        sample, err = self._scrape(target)
+        finished = time.monotonic()
+        with self._lock:
+            self._flying.discard(target)
+            st = self._states.get(target)
+            if st is not None:
+                on_time = finished < started + self.interval
+                st.due = started + self.interval if on_time else finished + self.interval
+                self._record(target, st, sample, err)
+        self._wake.set()
+
+    def _scrape(self, target: ScrapeTarget) -> tuple[EngineSample | None, BaseException | None]:
+        deadline = time.monotonic() + self.timeout
+        try:
+            text = self.fetcher(target.url, self.timeout)
+            sample = parse_exposition(text, at=self.clock(), thrash_seconds=self.thrash_seconds, deadline=deadline)
+        except Exception as err:  # any failure of a peer is a counted scrape failure
+            return None, err
+        return sample, None
+
+    def _record(
+        self, target: ScrapeTarget, st: _Target, sample: EngineSample | None, err: BaseException | None
+    ) -> None:
+        if sample is not None:
+            st.ok += 1
+            st.last = sample
+            st.last_error = ""
+            for reason, n in sample.rejected.items():
+                st.rejected[reason] = st.rejected.get(reason, 0) + n
+                st.log_once(f"rejected {reason}", "engine metrics samples rejected", target.url, reason=reason)
+            return
+        reason, detail = failure(err or RuntimeError(), self.timeout)
+        st.failures[reason] = st.failures.get(reason, 0) + 1
+        st.last_error = f"{reason}: {detail}" if detail else reason
+        st.log_once(reason, "engine metrics scrape failed", target.url, reason=reason, detail=detail)

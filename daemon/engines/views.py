@@ -204,6 +204,7 @@ class EngineSample:
     tiers: tuple[TierReading, ...] = ()  # the engine's own KV tier counters, in one schema
     latencies: tuple[LatencyReading, ...] = ()  # the engine's latency histograms it exports
     families: int = 0
+    rejected: Mapping[str, int] = field(default_factory=dict)  # samples of this page dropped, by reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +239,8 @@ class TargetState:
     ok: int = 0
     failures: Mapping[str, int] = field(default_factory=dict)  # reason -> count
     last: EngineSample | None = None
-    last_error: str = ""
+    last_error: str = ""  # the reason, and where in the page or the exchange: never the engine's text
+    rejected: Mapping[str, int] = field(default_factory=dict)  # samples dropped from good pages, by reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +251,7 @@ class EnginePlan:
     metrics_url: str | None = None
     notes: tuple[str, ...] = ()  # what could not be tapped, and why
     source: str = "cmdline"  # cmdline / config
+    refused: Mapping[str, int] = field(default_factory=dict)  # taps the command line asked for, refused by reason
 
 
 @dataclass(frozen=True, slots=True)

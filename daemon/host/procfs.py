@@ -224,6 +224,10 @@ class ProcFS:
         """``net/fib_trie``: the routing table of the process's network namespace."""
         return self._read(pid, "net/fib_trie", -1).decode("utf-8", "replace")
 
+    def if_inet6(self, pid: Pid) -> str:
+        """``net/if_inet6``: the IPv6 addresses of the process's network namespace."""
+        return self._read(pid, "net/if_inet6", 1 << 20).decode("utf-8", "replace")
+
     def mountinfo(self, pid: Pid) -> str:
         return self._read(pid, "mountinfo", -1).decode("utf-8", "replace")
 

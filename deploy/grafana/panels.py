@@ -424,9 +424,13 @@ ROWS: list[tuple[str, list[Graph]]] = [
                 ],
             ),
             Graph(
-                "Engine /metrics scrapes /s",
+                "Engine /metrics scrapes /s, samples rejected, taps refused",
                 "short",
-                [(rate("kvwatch_engine_scrapes_total", "result", NODE), "{{result}}")],
+                [
+                    (rate("kvwatch_engine_scrapes_total", "result", NODE), "{{result}}"),
+                    (rate("kvwatch_engine_samples_rejected_total", "reason", NODE), "rejected {{reason}}"),
+                    (total("kvwatch_engine_taps_refused", "reason", NODE), "refused {{reason}}"),
+                ],
             ),
             Graph(
                 "Engine KV usage, prefix-cache hits",

@@ -1,9 +1,12 @@
 """An engine in its own network namespace (a pod, reached over a veth pair): kvwatch finds the
 engine's address in that namespace (/proc/PID/net/fib_trie) and taps its KV event stream and
-/metrics there, as a DaemonSet would on a Kubernetes node."""
+/metrics there, as a DaemonSet would on a Kubernetes node; an address a command line names is
+scraped only when it is the process's own."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
@@ -28,3 +31,37 @@ def test_engine_in_a_pod_namespace(tmp_path: Path) -> None:
             assert d.value("kvwatch_kv_blocks_stored_total", pid=pid, medium="GPU") == st["stored"] > 0
         finally:
             sim.close()
+
+
+def test_a_pod_address_is_scraped_only_for_the_pods_own_engine(tmp_path: Path) -> None:
+    """A process in the node's namespace names a pod's address as its own ``--host``: that is
+    another process's engine, whose numbers it would pass off as its own (kvwatch gives an
+    endpoint to the oldest process naming it). Refused and counted; the engine in the pod,
+    started after it and naming its pod address, is scraped there as its own."""
+    liar_script = tmp_path / "liar" / "vllm"
+    liar_script.parent.mkdir()
+    liar_script.write_text(f"#!{sys.executable}\nimport sys\nsys.stdin.read()\n")  # looks like vLLM, serves nothing
+    liar_script.chmod(0o755)
+    with pod_netns("kvq", subnet=96) as pod, daemon(tmp_path, CONFIG) as d:
+        argv = [str(liar_script), "serve", "m", "--host", pod.pod_addr, "--port", "8000"]
+        liar = subprocess.Popen(argv, stdin=subprocess.PIPE)
+        sim = None
+        try:
+            liar_pid = str(liar.pid)
+            wait_until(
+                lambda: d.value("kvwatch_engine_taps_refused", pid=liar_pid, reason="metrics_host") == 1,
+                20,
+                "the liar's --host refused",
+            )
+            sim = SimulatedEngineProcess(
+                tmp_path / "bin", http_port=8000, kv_events=None, netns=pod.netns, extra=["--host", pod.pod_addr]
+            )
+            pid = str(sim.pid)
+            wait_until(lambda: d.value("kvwatch_engine_scrapes_total", pid=pid, result="ok") > 0, 20, "pod scraped")
+            scrapes = d.metrics().get("kvwatch_engine_scrapes_total", [])
+            assert [lab for lab, _ in scrapes if lab["pid"] == liar_pid] == []
+        finally:
+            liar.kill()
+            liar.wait()
+            if sim is not None:
+                sim.close()

@@ -138,7 +138,9 @@ def hybrid(gpu: MediumTotals, sliding: MediumTotals, cpu: MediumTotals | None = 
 
 def engine_view() -> EngineView:
     return EngineView(
-        plan=EnginePlan("4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics"),
+        plan=EnginePlan(
+            "4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics", refused={"kv_event_streams": 44}
+        ),
         streams=(
             _stream(
                 0,
@@ -164,7 +166,8 @@ def engine_view() -> EngineView:
         scrape=TargetState(
             ScrapeTarget("http://127.0.0.1:8000/metrics", "4242@77"),
             ok=41,
-            failures={"timeout": 2},
+            failures={"deadline": 2},
+            rejected={"nan": 3},
             last=EngineSample(
                 at=48.0,
                 usage=0.93,
@@ -459,7 +462,7 @@ def test_parsed_values() -> None:
     bad = {s.labels["kind"]: s.value for s in fams["kvwatch_kv_event_decode_errors"].samples}
     assert bad == {"payload": 4, "event": 1}
     scrapes = {s.labels["result"]: s.value for s in fams["kvwatch_engine_scrapes"].samples}
-    assert scrapes == {"ok": 41, "timeout": 2}
+    assert scrapes == {"ok": 41, "deadline": 2}
     (usage,) = fams["kvwatch_engine_kv_usage_ratio"].samples
     assert usage.value == 0.93
     fired = {s.labels["alert"]: s.value for s in fams["kvwatch_alerts_fired"].samples}

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
-from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger
+from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger, LossLedger
 from kvwatch.daemon.engines.views import (
     EngineSample,
     GroupTotals,
@@ -248,3 +249,23 @@ def test_a_usable_divisor_is_waited_for() -> None:
     last = stream(MediumTotals(0, 0), MediumTotals(300, 0))
     led.streams([last], sample(3198 * 524_288.0, at=30), False)  # the fifth change that keeps it
     assert (led.block_bytes.value, led.block_bytes.source) == (524_288, "offload")
+
+
+def test_a_non_finite_or_negative_engine_counter_never_stops_the_ledger() -> None:
+    """The parse boundary drops such samples (engines/metrics.py); the ledger holds on its own:
+    an engine's +Inf offload counter (int() of it raised OverflowError every tick) or a
+    non-finite disk-tier byte count is skipped, that engine's losses go on counting, and so do
+    every other engine's, whose ledgers the loop fills after it."""
+    bad, good = LossLedger(), EngineLedger()
+    gpu = stream(MediumTotals(100, 23), MediumTotals(40, 2))
+    for i, hostile in enumerate((math.inf, -math.inf, math.nan, -5e9, 1e300)):
+        bad.of("a").streams([gpu], sample(hostile, at=float(i)), preempting=False)
+        bad.of("a").tier(1, reclaim_bytes=-hostile if hostile > 0 else hostile, policy_bytes=math.nan)
+        good.streams([gpu], sample(1e9, at=float(i)), preempting=False)
+    assert bad.rows("a")[("gpu", "evicted")] == LossTotal(23, None)
+    assert bad.block_bytes("a") is None and ("disk", "reclaim") not in bad.rows("a")
+    bad.of("a").streams([stream(MediumTotals(130, 30), MediumTotals(40, 2))], sample(2e9, at=9.0), False)
+    bad.of("a").tier(1, reclaim_bytes=4096.0, policy_bytes=0.0)
+    assert bad.rows("a")[("gpu", "evicted")] == LossTotal(30, None)
+    assert bad.rows("a")[("disk", "reclaim")] == LossTotal(0, 4096.0)
+    assert good.totals()[("gpu", "evicted")] == LossTotal(23, None)
