@@ -39,6 +39,11 @@ class DaemonConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # HTTP connections held at once (a thread each); past it the oldest one still sending its
+    # request makes room, or, every one being answered, the new one is refused
+    max_connections: Annotated[int, Field(ge=1, le=1024)] = 64
+    # a client's time to send its request head (TLS handshake included), and each read or write
+    http_timeout_seconds: Annotated[float, Field(ge=1, le=300)] = 10.0
 
     @field_validator("listen")
     @classmethod
