@@ -21,11 +21,11 @@ import http.client
 import socket
 import ssl
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import structlog
-from kvwatch.daemon.logs import ErrorBook
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,7 +60,7 @@ class ConnectionTable:
         self.clock = clock
         self._lock = threading.Lock()
         self._open: dict[Conn, None] = {}  # in the order admitted: the first idle one is the oldest
-        self._book = ErrorBook(log)
+        self._dropped: Counter[str] = Counter()
 
     def admit(self, sock: socket.socket, client: str) -> Conn | None:
         """The new connection's entry, or None: refused (the caller closes it)."""
@@ -116,7 +116,7 @@ class ConnectionTable:
     def counts(self) -> tuple[dict[str, int], int]:
         """(connections dropped by reason, connections open)."""
         with self._lock:
-            return {r: self._book.counts[r] for r in DROP_REASONS}, len(self._open)
+            return {r: self._dropped[r] for r in DROP_REASONS}, len(self._open)
 
     def _shut(self, conn: Conn, reason: str) -> None:
         """Wake the connection's thread (its reads and writes fail at once); it closes the socket.
@@ -127,9 +127,11 @@ class ConnectionTable:
         _shutdown(conn.sock)
 
     def _count(self, reason: str, client: str, exc: BaseException | None = None) -> None:
-        self._book.record(
-            reason, "http connection dropped", exc, level=_LEVELS.get(reason, "info"), reason=reason, client=client
-        )
+        """Count it; log the first of each reason (the counter says how often since)."""
+        self._dropped[reason] += 1
+        if self._dropped[reason] == 1:
+            error = {} if exc is None else {"error": f"{type(exc).__name__}: {exc}"}
+            getattr(log, _LEVELS.get(reason, "info"))("http connection dropped", kind=reason, client=client, **error)
 
 
 def _shutdown(sock: socket.socket) -> None:
