@@ -39,8 +39,9 @@ log = structlog.get_logger("kvwatch.http")
 DROP_REASONS = ("limit", "evicted", "timeout", "tls", "too_large", "reset", "error")
 _LEVELS = {"limit": "warning", "evicted": "warning", "timeout": "info", "error": "error"}  # else info
 
-# A request head is a request line (http.server allows 64 KiB) and headers: 64 KiB in all for
-# them, instead of http.server's 100 lines of 64 KiB each. Scrapers send well under 2 KiB.
+# A request head is a request line (http.server allows 64 KiB) and headers: 128 KiB in all,
+# instead of http.server's 64 KiB line plus 100 header lines of 64 KiB each (6.5 MiB a
+# connection). Scrapers send well under 2 KiB.
 MAX_HEAD_BYTES = 128 * 1024
 
 
