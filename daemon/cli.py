@@ -89,13 +89,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    config = load_config(args.config, overrides=_overrides(args), sets=args.set)
-    if args.pid or args.kv_dir:
-        data = config.model_dump()
-        data["discovery"]["pids"] = sorted({*config.discovery.pids, *args.pid})
-        data["kv_tiers"]["dirs"] = [*data["kv_tiers"]["dirs"], *({"path": d} for d in args.kv_dir)]
-        config = Config.model_validate(data)
-    return config
+    """The configuration from every source; --pid and --kv-dir add to the lists the others give,
+    checked with them (a bad one is a problem naming its key, like any other)."""
+    extend = {
+        "discovery.pids": (list(args.pid), "--pid"),
+        "kv_tiers.dirs": ([{"path": str(d)} for d in args.kv_dir], "--kv-dir"),
+    }
+    return load_config(args.config, overrides=_overrides(args), sets=args.set, extend=extend)
 
 
 def _command(

@@ -114,6 +114,8 @@ class Daemon:
             clock=time.time,
             tls_cert=config.daemon.tls_cert,
             tls_key=config.daemon.tls_key,
+            max_connections=config.daemon.max_connections,
+            timeout_seconds=config.daemon.http_timeout_seconds,
         )
 
     def install_signal_handlers(self) -> None:

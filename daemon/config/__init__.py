@@ -1,6 +1,7 @@
 """The configuration's schema: every key, its default and its bounds (pydantic).
 
-How a file, the environment and flags are merged and checked is in ``config_load.py``.
+How a file, the environment and flags are merged and checked is in ``load.py``; the detectors'
+sections are in ``detectors.py``.
 """
 
 from __future__ import annotations
@@ -9,27 +10,56 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
+from kvwatch.daemon.config.base import SECTION, NonNegFloat, PositiveFloat
+from kvwatch.daemon.config.detectors import (
+    DetectorCommon,
+    DetectorsConfig,
+    EvictionBurstConfig,
+    HostTierEvictionConfig,
+    MetricDivergenceConfig,
+    OOMConfig,
+    PreemptionLivelockConfig,
+    PrefixCacheIneffectiveConfig,
+    ReuseCollapseConfig,
+    TenantThrashConfig,
+    TransferCollapseConfig,
 )
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvwatch/kvwatch.toml")
 ENV_PREFIX = "KVWATCH_"
 DEFAULT_LISTEN = "127.0.0.1:9740"
-
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
-
-
 DEFAULT_RUNBOOK = "https://github.com/kvwatch/kvwatch/blob/main/docs/runbook.md"
+
+__all__ = [  # only what this module re-exports: the detectors' sections, from detectors.py
+    "DetectorCommon",
+    "DetectorsConfig",
+    "EvictionBurstConfig",
+    "HostTierEvictionConfig",
+    "MetricDivergenceConfig",
+    "OOMConfig",
+    "PreemptionLivelockConfig",
+    "PrefixCacheIneffectiveConfig",
+    "ReuseCollapseConfig",
+    "TenantThrashConfig",
+    "TransferCollapseConfig",
+]
+
+# Tenant names kvwatch gives itself (engines/tenants.py): a rule taking one would merge its
+# tenant into requests without a salt or adapter, untold ones, the folded rest, or a hashed salt.
+RESERVED_TENANT_NAMES = ("default", "unknown", "other")
+RESERVED_TENANT_PREFIXES = ("salt-", "lora:")
+
+# Keys whose values a configuration problem never repeats (config/load.py): a tenant's cache salt,
+# or its SHA-256 where an operator may put the salt itself by mistake (anywhere under
+# engines.tenants), and addresses, which may carry credentials (user:password@host).
+UNECHOED_KEYS = frozenset(
+    {"tenants", "salt", "salt_sha256", "url", "metrics_url", "kv_events", "kv_events_replay", "runbook_base_url"}
+)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SECTION
 
 
 class DaemonConfig(_Section):
@@ -39,6 +69,11 @@ class DaemonConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # HTTP connections held at once (a thread each); past it the oldest one still sending its
+    # request makes room, or, every one being answered, the new one is refused
+    max_connections: Annotated[int, Field(ge=1, le=1024)] = 64
+    # a client's time to send its request head (TLS handshake included), and each read or write
+    http_timeout_seconds: Annotated[float, Field(ge=1, le=300)] = 10.0
 
     @field_validator("listen")
     @classmethod
@@ -79,13 +114,18 @@ class EngineRule(_Section):
 
 class DiscoveryConfig(_Section):
     interval_seconds: PositiveFloat = 5.0
-    pids: list[Annotated[int, Field(gt=0)]] = []
+    pids: Annotated[list[Annotated[int, Field(gt=0)]], Field(max_length=4096)] = []  # as many as max_processes
     default_rules: bool = True
-    rules: list[EngineRule] = []
+    rules: Annotated[list[EngineRule], Field(max_length=256)] = []  # each matched against every new process
     nvml: Literal["auto", "on", "off"] = "auto"
     follow_children: bool = True
     max_processes: Annotated[int, Field(ge=1, le=4096)] = 256
-    exec_hints_per_tick: Annotated[int, Field(ge=0)] = 200
+    exec_hints_per_tick: Annotated[int, Field(ge=0, le=10_000)] = 200  # four ticks' worth are queued
+
+    @field_validator("pids")
+    @classmethod
+    def _pid_set(cls, v: list[int]) -> list[int]:
+        return sorted(set(v))
     proc_root: Path = Path("/proc")  # the procfs showing the watched processes: the host's (/host/proc in a pod)
 
 
@@ -96,10 +136,10 @@ class KVTierDir(_Section):
 
 
 class KVTiersConfig(_Section):
-    dirs: list[KVTierDir] = []
+    dirs: Annotated[list[KVTierDir], Field(max_length=64)] = []  # the BPF program's MAX_TIERS
     from_environment: bool = True
     rescan_seconds: PositiveFloat = 10.0
-    max_files: Annotated[int, Field(ge=1)] = 65536
+    max_files: Annotated[int, Field(ge=1, le=1 << 21)] = 65536  # a BPF map entry each
 
 
 class ProbesConfig(_Section):
@@ -111,13 +151,16 @@ class ProbesConfig(_Section):
         "lifecycle",
         "hints",
     ]
-    ringbuf_pages: Annotated[int, Field(ge=1)] = 64
-    max_evicted_pages_tracked: Annotated[int, Field(ge=1024)] = 131072
-    max_reclaimers: Annotated[int, Field(ge=64)] = 4096  # (tier, reclaimer kind, cgroup) entries in the kernel
+    # Each bounds kernel memory kvwatch allocates: a ring buffer, or a BPF map of roughly 100 bytes
+    # an entry (most preallocated); the maxima, 16 to 64 times the defaults, keep a typo (1e14) from
+    # asking the kernel for terabytes, while leaving room far past any node measured.
+    ringbuf_pages: Annotated[int, Field(ge=1, le=4096)] = 64  # 4 KiB pages: 16 MiB at most
+    max_evicted_pages_tracked: Annotated[int, Field(ge=1024, le=1 << 22)] = 131072  # 16-page granules: 256 GiB
+    max_reclaimers: Annotated[int, Field(ge=64, le=1 << 16)] = 4096  # (tier, reclaimer kind, cgroup) entries
     cuda: bool = True
     cuda_driver_api: Literal["auto", "all", "off"] = "auto"
     cuda_rescan_seconds: PositiveFloat = 5.0
-    cuda_max_ledger: Annotated[int, Field(ge=1024)] = 65536
+    cuda_max_ledger: Annotated[int, Field(ge=1024, le=1 << 20)] = 65536  # live allocations, node-wide
     transfer: bool = True
     transfer_rescan_seconds: PositiveFloat = 5.0
     transfer_pending_timeout_seconds: PositiveFloat = 60.0
@@ -176,12 +219,12 @@ class EngineEndpoint(_Section):
                 raise ValueError(f"cmdline: invalid regex {self.cmdline!r}: {err}") from err
         if self.kv_events is None and self.metrics_url is None:
             raise ValueError("give kv_events, metrics_url or both")
-        for name in ("kv_events", "kv_events_replay"):
+        for name in ("kv_events", "kv_events_replay"):  # not the value: an address may carry credentials
             v = getattr(self, name)
             if v is not None and not v.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {v!r}")
+                raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH")
         if self.metrics_url is not None and not self.metrics_url.startswith(("http://", "https://")):
-            raise ValueError(f"metrics_url: expected http(s)://..., got {self.metrics_url!r}")
+            raise ValueError("metrics_url: expected http(s)://...")
         return self
 
 
@@ -193,6 +236,14 @@ class TenantRule(_Section):
     salt: str | None = None
     salt_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     lora: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_TENANT_NAMES or v.startswith(RESERVED_TENANT_PREFIXES):
+            reserved = ", ".join([*RESERVED_TENANT_NAMES, *(p + "..." for p in RESERVED_TENANT_PREFIXES)])
+            raise ValueError(f"reserved by kvwatch ({reserved})")
+        return v
 
     @model_validator(mode="after")
     def _one(self) -> TenantRule:
@@ -218,13 +269,13 @@ class EnginesConfig(_Section):
     regret_memory_blocks: Annotated[int, Field(ge=0)] = 524_288
     # Bytes of one KV block, to price the loss ledger; 0: learnt from the engine's offload
     # counter (bytes copied to its CPU tier over CPU blocks announced), else blocks only.
-    kv_block_bytes: Annotated[int, Field(ge=0)] = 0
+    kv_block_bytes: Annotated[int, Field(ge=0, le=1 << 32)] = 0
     # How long a gone process's loss ledger stays on /metrics (its last losses: an OOM kill).
     loss_linger_seconds: NonNegFloat = 300.0
-    endpoints: list[EngineEndpoint] = []
+    endpoints: Annotated[list[EngineEndpoint], Field(max_length=256)] = []
     # Tenants (cache salts, LoRA adapters) named by hand; an unnamed salt is exported as a keyed
     # hash ("salt-" + 8 hex), the key kept in tenant_key_file so that names survive restarts.
-    tenants: list[TenantRule] = []
+    tenants: Annotated[list[TenantRule], Field(max_length=1024)] = []
     tenant_top_k: Annotated[int, Field(ge=1, le=256)] = 8  # per engine; the rest count as "other"
     tenant_key_file: Path = Path("/var/lib/kvwatch/tenant.key")
 
@@ -239,115 +290,6 @@ class EnginesConfig(_Section):
         return self
 
 
-class DetectorCommon(_Section):
-    enabled: bool = True
-    warmup_seconds: NonNegFloat = 120.0
-    baseline_half_life_seconds: PositiveFloat = 1800.0
-    confirm_windows: Annotated[int, Field(ge=1)] = 2
-    clear_windows: Annotated[int, Field(ge=1)] = 5
-
-
-class HostTierEvictionConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 2.0
-    factor: Annotated[float, Field(ge=1)] = 5.0
-    floor_bytes_per_second: NonNegFloat = 64 * 1024 * 1024
-    refault_ratio: Annotated[float, Field(ge=0, le=1)] = 0.25
-    reclaim_stall_ms_per_second: NonNegFloat = 50.0
-    psi_some_avg10: NonNegFloat = 10.0
-
-
-class ReuseCollapseConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 2.0
-    factor: Annotated[float, Field(ge=1)] = 10.0
-    floor_calls_per_second: NonNegFloat = 20.0
-    churn_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.05
-    require_kv_pool: bool = True
-    kv_pool_fraction: Annotated[float, Field(gt=0, le=1)] = 0.10
-    baseline_min_seconds: NonNegFloat = 30.0
-    quiet_after_sleep_seconds: NonNegFloat = 30.0  # engine sleep mode: the wake-up remap is not learnt
-
-
-class TransferCollapseConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 5.0
-    fraction: Annotated[float, Field(gt=0, lt=1)] = 0.3
-    demand_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
-    min_transfers: Annotated[int, Field(ge=1)] = 20
-    min_stalled_transfers: Annotated[int, Field(ge=1)] = 3  # a stall: few transfers, min_transfers' worth of time
-    peer_grace_seconds: NonNegFloat = 10.0
-    baseline_min_seconds: NonNegFloat = 30.0
-
-
-class EvictionBurstConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 10.0
-    factor: Annotated[float, Field(ge=1)] = 5.0
-    floor_blocks_per_second: NonNegFloat = 20.0
-    floor_tokens_per_second: NonNegFloat = 320.0  # engines that count evicted tokens (SGLang)
-    floor_copy_bytes_per_second: NonNegFloat = 64 * 1024 * 1024  # OS-side: host<->device copies, each way
-    hit_drop: Annotated[float, Field(gt=0, le=1)] = 0.30  # prefix-hit ratio points below baseline
-    min_queried_tokens: NonNegFloat = 2000.0  # in the window, to judge the hit ratio at all
-    usage_pressure: Annotated[float, Field(gt=0, le=1)] = 0.9
-    thrash_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5  # of removals, blocks stored < thrash_seconds ago
-    thrash_preemptions_per_second: NonNegFloat = 1.0
-    quiet_after_reset_seconds: NonNegFloat = 60.0  # prefix-cache reset / sleep: intentional, re-learn
-    baseline_min_seconds: NonNegFloat = 30.0
-
-
-class PrefixCacheIneffectiveConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 60.0
-    min_queried_tokens: NonNegFloat = 20_000.0  # prompt tokens looked up in the window, to judge at all
-    max_hit_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.02  # hot at or below; cool above twice this
-    min_stored_blocks: NonNegFloat = 100.0  # GPU blocks stored in the window (the KV event stream)
-    recur_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05  # of those, stored while held: cause not_hit
-
-
-class PreemptionLivelockConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 10.0
-    min_preemptions_per_second: PositiveFloat = 0.5
-    collapse_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2  # of the learnt tokens/s: hot at or below
-    recover_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5  # cool at or above
-    floor_tokens_per_second: NonNegFloat = 10.0  # a learnt rate below this is not judged
-    baseline_min_seconds: NonNegFloat = 30.0
-
-
-class TenantThrashConfig(DetectorCommon):
-    window_seconds: PositiveFloat = 10.0
-    factor: Annotated[float, Field(ge=1)] = 5.0  # the victim's regrets/s over its own baseline
-    floor_regretted_per_second: NonNegFloat = 5.0  # GPU blocks; below this no tenant is a victim
-    aggressor_store_share: Annotated[float, Field(gt=0, le=1)] = 0.5  # of the pool's stores in the window
-    min_stored_blocks: NonNegFloat = 50.0  # the pool's stores in the window, to judge at all
-    baseline_min_seconds: NonNegFloat = 30.0
-
-
-class MetricDivergenceConfig(_Section):
-    """The KV metric-truth audit (engines/audit.py) and its alert."""
-
-    enabled: bool = True
-    window_seconds: Annotated[float, Field(ge=1)] = 30.0  # one audit window; several engine scrapes
-    tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.10  # of the larger of the two numbers
-    floor_bytes: NonNegFloat = 64 * 1024 * 1024  # a window moving less is not judged
-    confirm_windows: Annotated[int, Field(ge=1)] = 3
-    clear_windows: Annotated[int, Field(ge=1)] = 2
-    severity: Literal["info", "warning", "critical"] = "info"
-
-
-class OOMConfig(_Section):
-    enabled: bool = True
-    include_cgroup_siblings: bool = True
-    active_seconds: PositiveFloat = 300.0
-
-
-class DetectorsConfig(_Section):
-    host_tier_eviction: HostTierEvictionConfig = HostTierEvictionConfig()
-    reuse_collapse: ReuseCollapseConfig = ReuseCollapseConfig()
-    transfer_collapse: TransferCollapseConfig = TransferCollapseConfig()
-    eviction_burst: EvictionBurstConfig = EvictionBurstConfig()
-    prefix_cache_ineffective: PrefixCacheIneffectiveConfig = PrefixCacheIneffectiveConfig()
-    preemption_livelock: PreemptionLivelockConfig = PreemptionLivelockConfig()
-    tenant_thrash: TenantThrashConfig = TenantThrashConfig()
-    engine_metric_divergence: MetricDivergenceConfig = MetricDivergenceConfig()
-    oom: OOMConfig = OOMConfig()
-
-
 class AlertmanagerConfig(_Section):
     """Post alerts straight to Alertmanager's v2 API (for sites without Prometheus rules)."""
 
@@ -356,7 +298,7 @@ class AlertmanagerConfig(_Section):
     resend_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0  # Alertmanager resolves what it stops hearing
     max_backoff_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
     max_pending: Annotated[int, Field(ge=1, le=100_000)] = 1000
-    labels: dict[str, str] = {}  # added to every alert (cluster, region, ...)
+    labels: Annotated[dict[str, str], Field(max_length=64)] = {}  # added to every alert (cluster, region, ...)
     runbook_base_url: str = DEFAULT_RUNBOOK
 
     @field_validator("url")

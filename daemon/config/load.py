@@ -11,21 +11,33 @@ Every key can be set from each source:
 Values from the environment and ``--set`` are parsed as TOML values when they
 parse (``5``, ``true``, ``["a", "b"]``), as plain strings otherwise.
 
-Unknown keys and bad values are all reported together, each naming the key and
-where it came from.
+Unknown keys and bad values are all reported together, each on one line naming the key and
+where it came from. A problem repeats the value it refuses, except under the keys in
+``UNECHOED_KEYS`` (cache salts, addresses); credentials in an address (user:password@) are
+masked in every message, and control characters are escaped, so no key or value can break a
+problem over two lines.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvwatch.daemon.config import DEFAULT_CONFIG_PATH, ENV_PREFIX, Config
+from kvwatch.daemon.config import DEFAULT_CONFIG_PATH, ENV_PREFIX, UNECHOED_KEYS, Config
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+MAX_FILE_BYTES = 1 << 20  # a configuration file is read up to this (the example is 12 KiB)
+_USERINFO = re.compile(r"[^\s/@'\"]+@")  # user:password@ in an address
+
+
+def _one_line(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +47,7 @@ class ConfigProblem:
     source: str
 
     def __str__(self) -> str:
-        return f"{self.key}: {self.message} (from {self.source})"
+        return f"{_one_line(self.key)}: {_one_line(self.message)} (from {_one_line(self.source)})"
 
 
 class ConfigError(Exception):
@@ -86,14 +98,48 @@ def _record_sources(tree: Mapping[str, Any], prefix: str, src: str, sources: dic
             _record_sources(v, key + ".", src, sources)
 
 
-def env_overrides(environ: Mapping[str, str], sources: dict[str, str]) -> dict[str, Any]:
+def _present(file: Path) -> bool:
+    try:
+        return file.exists()
+    except OSError:  # e.g. a directory on its path kvwatch may not search: reading it says why
+        return True
+
+
+def _is_key(dotted: str) -> bool:
+    return all(dotted.split("."))
+
+
+def env_overrides(
+    environ: Mapping[str, str], sources: dict[str, str], problems: list[ConfigProblem] | None = None
+) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or name == "KVWATCH_CONFIG":
             continue
         dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+        if not _is_key(dotted):
+            if problems is not None:
+                problems.append(ConfigProblem("(environment)", "expected KVWATCH_SECTION__KEY", f"environment {name}"))
+            continue
         _set_path(tree, dotted, _scalar(raw), sources, f"environment {name}")
     return tree
+
+
+def _extend(tree: dict[str, Any], dotted: str, items: list[Any], source: str, sources: dict[str, str]) -> None:
+    """Append ``items`` to the list at ``dotted`` (a bad value there is left to the validator)."""
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            return
+        node = child
+    current = node.get(leaf, [])
+    if not isinstance(current, list):
+        return
+    node[leaf] = [*current, *items]
+    for i in range(len(current), len(current) + len(items)):
+        sources[f"{dotted}.{i}"] = source
 
 
 def load_config(
@@ -102,12 +148,14 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     sets: list[str] | None = None,
+    extend: Mapping[str, tuple[list[Any], str]] | None = None,
     default_path: Path | None = DEFAULT_CONFIG_PATH,
 ) -> Config:
     """Build the configuration. ``path=None`` reads the default file if it exists.
 
     ``overrides`` maps dotted keys to values from named flags; ``sets`` are
-    ``--set key=value`` strings.
+    ``--set key=value`` strings; ``extend`` maps dotted keys of lists to items a repeatable
+    flag adds to what the other sources give, and the flag's name.
     """
     environ = os.environ if environ is None else environ
     sources: dict[str, str] = {}
@@ -116,10 +164,15 @@ def load_config(
 
     explicit = path is not None or "KVWATCH_CONFIG" in environ
     file = path or (Path(environ["KVWATCH_CONFIG"]) if "KVWATCH_CONFIG" in environ else default_path)
-    if file is not None and (file.exists() or explicit):
+    if file is not None and (explicit or _present(file)):
         try:
-            tree = tomllib.loads(file.read_text())
-            _record_sources(tree, "", f"file {file}", sources)
+            with file.open("rb") as f:
+                text = f.read(MAX_FILE_BYTES + 1)
+            if len(text) > MAX_FILE_BYTES:
+                problems.append(ConfigProblem("(file)", f"larger than {MAX_FILE_BYTES >> 20} MiB", str(file)))
+            else:
+                tree = tomllib.loads(text.decode())
+                _record_sources(tree, "", f"file {file}", sources)
         except FileNotFoundError:
             problems.append(ConfigProblem("(file)", "no such file", str(file)))
         except (OSError, UnicodeDecodeError) as err:
@@ -127,36 +180,46 @@ def load_config(
         except tomllib.TOMLDecodeError as err:
             problems.append(ConfigProblem("(file)", f"not valid TOML: {err}", str(file)))
 
-    tree = _merge(tree, env_overrides(environ, sources))
+    tree = _merge(tree, env_overrides(environ, sources, problems))
 
     flag_tree: dict[str, Any] = {}
     for dotted, value in (overrides or {}).items():
         _set_path(flag_tree, dotted, value, sources, f"flag for {dotted}")
-    for item in sets or []:
+    for n, item in enumerate(sets or [], 1):
         key, eq, raw = item.partition("=")
-        if not eq or not key.strip():
-            problems.append(ConfigProblem(item, "expected KEY=VALUE", "flag --set"))
+        key = key.strip()
+        if not eq or not _is_key(key):  # named by position: the argument may be a mistyped secret
+            problems.append(ConfigProblem(f"--set #{n}", "expected KEY=VALUE, KEY as section.key", "flag --set"))
             continue
-        _set_path(flag_tree, key.strip(), _scalar(raw), sources, f"flag --set {key.strip()}")
+        _set_path(flag_tree, key, _scalar(raw), sources, f"flag --set {key}")
     tree = _merge(tree, flag_tree)
+    for dotted, (items, flag) in (extend or {}).items():
+        _extend(tree, dotted, items, f"flag {flag}", sources)
 
     try:
         config = Config.model_validate(tree)
     except ValidationError as err:
-        for e in err.errors():
-            loc = [str(p) for p in e["loc"]]
-            key = ".".join(loc) or "(root)"
-            src = _source_of(loc, sources)
-            msg = e["msg"]
-            if e["type"] == "extra_forbidden":
-                msg = "unknown key"
-            elif "input" in e and not isinstance(e["input"], dict | list):
-                msg = f"{msg} (got {e['input']!r})"
-            problems.append(ConfigProblem(key, msg, src))
+        problems += [_problem(e, sources) for e in err.errors()]
         raise ConfigError(problems) from None
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _problem(e: ErrorDetails, sources: Mapping[str, str]) -> ConfigProblem:
+    loc = [str(p) for p in e["loc"]]
+    msg = e["msg"].removeprefix("Value error, ")  # a validator's own message says what it means
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif (
+        e["type"] != "value_error"
+        and "input" in e
+        and not isinstance(e["input"], dict | list)
+        and not UNECHOED_KEYS.intersection(loc)
+    ):
+        got = repr(e["input"])
+        msg = f"{msg} (got {got if len(got) <= 80 else got[:77] + '...'})"
+    return ConfigProblem(".".join(loc) or "(root)", _USERINFO.sub("***@", msg), _source_of(loc, sources))
 
 
 def _source_of(loc: list[str], sources: Mapping[str, str]) -> str:

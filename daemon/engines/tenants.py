@@ -21,9 +21,12 @@ runs (``TenantFold``), and the rest under ``other``, which only ever grows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
+import secrets
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -38,27 +41,122 @@ KEY_BYTES = 32
 
 
 def load_key(path: Path) -> tuple[bytes, str]:
-    """The node's naming key, created (0600) when missing. When it can be neither read nor
-    written, a key for this run only, and why (names then change at the next restart)."""
+    """The node's naming key from ``path``, created there when missing; else a key for this run
+    only, and why (names then change at the next restart).
+
+    kvwatch runs as root, so the key's path is treated as hostile. The key is read only from a
+    regular file of exactly KEY_BYTES that kvwatch's user owns and no one else may read or write,
+    in a directory (and ancestors) no one else can change; a symbolic link is never followed and
+    a FIFO or device never opened, so nothing here blocks. Anything else is refused and left as
+    it is, never replaced: a key of the wrong length may be the damaged key the operator wants
+    back, and a new one would rename every tenant for good. A new key is written 0600 to a fresh
+    file of a random name (created exclusively, never a planted one), synced, then linked into
+    place only if no key appeared meanwhile. No message carries the key's bytes."""
     try:
-        key = path.read_bytes()
-        if len(key) == KEY_BYTES:
-            return key, ""
-    except FileNotFoundError:
-        pass
+        dir_fd = _open_safe_dir(path.parent)
+    except _Refused as why:
+        return os.urandom(KEY_BYTES), f"refused {path}: {why}"
     except OSError as err:
-        return os.urandom(KEY_BYTES), f"cannot read {path}: {err.strerror}"
-    key = os.urandom(KEY_BYTES)
+        return os.urandom(KEY_BYTES), f"cannot create {path.parent}: {err.strerror}"
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".new")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-        tmp.replace(path)
+        key = _read_key(path.name, dir_fd) or _create_key(path.name, dir_fd)
+    except _Refused as why:
+        return os.urandom(KEY_BYTES), f"refused {path}: {why}"
     except OSError as err:
-        return key, f"cannot write {path}: {err.strerror}"
+        return os.urandom(KEY_BYTES), f"cannot write {path}: {err.strerror}"
+    finally:
+        os.close(dir_fd)
     return key, ""
+
+
+class _Refused(Exception):
+    """A key file or directory kvwatch must not trust; the message says what to do about it."""
+
+
+def _open_safe_dir(directory: Path) -> int:
+    """A descriptor of the key's directory, made 0700 when missing: its real path's every part
+    owned by kvwatch's user or root and writable by no one else (a sticky directory, like /tmp,
+    excepted: others cannot rename or remove what is not theirs there)."""
+    missing = []
+    for part in (directory, *directory.parents):
+        if os.path.lexists(part):
+            break
+        missing.append(part)
+    for part in reversed(missing):  # each part made 0700 (Path.mkdir makes parents 0777 less the umask)
+        with contextlib.suppress(FileExistsError):
+            part.mkdir(mode=0o700)
+    real = Path(os.path.realpath(directory))
+    for part in (real, *real.parents):
+        st = os.lstat(part)
+        if st.st_uid not in (0, os.geteuid()):
+            raise _Refused(f"{part} is owned by uid {st.st_uid}")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise _Refused(f"{part} is writable by others (mode {oct(stat.S_IMODE(st.st_mode))})")
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    checked = os.lstat(real)
+    if (st.st_dev, st.st_ino) != (checked.st_dev, checked.st_ino):  # swapped since the check
+        os.close(fd)
+        raise _Refused(f"{real} changed while it was checked")
+    return fd
+
+
+def _read_key(name: str, dir_fd: int) -> bytes | None:
+    """The key in ``name``, or None when there is none."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise _Refused("it is a symbolic link; remove it for a new key")
+    if not stat.S_ISREG(st.st_mode):
+        raise _Refused("it is not a regular file; remove it for a new key")
+    try:  # O_NONBLOCK: should a FIFO be swapped in after the check, opening it does not wait
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refused("it is not a regular file; remove it for a new key")
+        if st.st_uid != os.geteuid():
+            raise _Refused(f"it is owned by uid {st.st_uid}, not kvwatch's {os.geteuid()}")
+        if st.st_mode & 0o077:
+            raise _Refused(
+                f"others may read or write it (mode {oct(stat.S_IMODE(st.st_mode))}): it may be known; "
+                "remove it for a new key, or chmod 600 it to keep it"
+            )
+        data = os.read(fd, KEY_BYTES + 1) if st.st_size == KEY_BYTES else b""
+        if len(data) != KEY_BYTES:
+            raise _Refused(f"it has {st.st_size} bytes, not {KEY_BYTES}; restore the key, or remove it for a new one")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _create_key(name: str, dir_fd: int) -> bytes:
+    key = os.urandom(KEY_BYTES)
+    tmp = f".{name}.{secrets.token_hex(8)}.new"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask left
+            os.write(fd, key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:  # a link never replaces: a key another kvwatch made meanwhile is kept (and read)
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            theirs = _read_key(name, dir_fd)
+            if theirs is None:
+                raise
+            return theirs
+        os.fsync(dir_fd)
+        return key
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
 
 
 def _sha256(salt: str) -> str:

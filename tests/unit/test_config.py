@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,150 @@ def test_cli_config_error_exit_code(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_example_config_is_valid_and_shows_the_defaults() -> None:
     example = Path(__file__).parents[2] / "deploy" / "kvwatch.example.toml"
     assert load_config(example, environ={}, default_path=None) == load_config(environ={}, default_path=None)
+
+
+# --- every problem one line, naming its key, never a traceback or a secret -------------------------
+
+
+@pytest.fixture(autouse=True)
+def _never_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configuration ``main`` accepts must fail the test, never start the daemon."""
+
+    def accepted(*_: object) -> int:
+        raise AssertionError("the configuration was accepted")
+
+    monkeypatch.setattr("kvwatch.daemon.cli.cmd_run", accepted)
+
+
+def _problems(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    """``kvwatch run ARGV``'s problems: it exits 2 and prints a header and one line per problem."""
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ValidationError" not in err and "pydantic" not in err, err
+    head, *lines = err.rstrip("\n").split("\n")
+    assert head.startswith("kvwatch: invalid configuration"), err
+    assert lines and all(line.startswith("  - ") for line in lines), err
+    return [line[4:] for line in lines]
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["--pid", "0"], "discovery.pids.0"),
+        (["--pid", "12", "--pid", "-3"], "discovery.pids.1"),
+        (["--set", "discovery.pids=[4]", "--pid", "0"], "discovery.pids.1"),
+    ],
+)
+def test_a_bad_pid_flag_is_one_line_naming_the_key(
+    capsys: pytest.CaptureFixture[str], argv: list[str], key: str
+) -> None:
+    (line,) = _problems(capsys, *argv)
+    assert line.startswith(f"{key}: ") and line.endswith("(from flag --pid)"), line
+
+
+def test_pid_and_kv_dir_flags_add_to_the_configured_ones(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["run", "--pid", "9", "--pid", "3", "--kv-dir", str(tmp_path)])
+    args.set = ["discovery.pids=[3, 5]", f'kv_tiers.dirs=[{{path="{tmp_path}/a"}}]']
+    c = config_from_args(args)
+    assert c.discovery.pids == [3, 5, 9]
+    assert [d.path for d in c.kv_tiers.dirs] == [tmp_path / "a", tmp_path]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "probes.max_evicted_pages_tracked=100000000000000",
+        "probes.max_reclaimers=100000000000000",
+        "probes.cuda_max_ledger=100000000000000",
+        "probes.ringbuf_pages=1099511627776",  # a power of two
+        "kv_tiers.max_files=100000000000000",
+        "discovery.exec_hints_per_tick=100000000000000",
+        "engines.kv_block_bytes=100000000000000",
+        "daemon.max_connections=100000",
+        "discovery.pids=[" + ",".join(str(p) for p in range(1, 5000)) + "]",
+        "kv_tiers.dirs=[" + ",".join(f'{{path="/d{i}"}}' for i in range(65)) + "]",
+        "discovery.rules=[" + ",".join(f'{{engine="e", comm="c{i}"}}' for i in range(300)) + "]",
+        "engines.endpoints=[" + ",".join(f'{{pid={i + 1}, metrics_url="http://h"}}' for i in range(300)) + "]",
+        "engines.tenants=[" + ",".join(f'{{name="t{i}", lora="l{i}"}}' for i in range(1100)) + "]",
+        "alerts.alertmanager.labels={" + ",".join(f"l{i}='v'" for i in range(100)) + "}",
+    ],
+)
+def test_every_memory_and_size_setting_has_an_upper_bound(capsys: pytest.CaptureFixture[str], setting: str) -> None:
+    key = setting.split("=", 1)[0]
+    (line,) = _problems(capsys, "--set", setting)
+    assert line.startswith(f"{key}: "), line
+
+
+@pytest.mark.parametrize("name", ["default", "unknown", "other", "salt-0a1b2c3d", "lora:chat"])
+def test_a_tenant_rule_may_not_take_a_reserved_name(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    (line,) = _problems(capsys, "--set", f'engines.tenants=[{{name="{name}", lora="x"}}]')
+    assert line.startswith("engines.tenants.0.name: ") and "reserved" in line, line
+
+
+def test_the_reserved_tenant_names_are_the_namer_s() -> None:
+    from kvwatch.daemon.config import RESERVED_TENANT_NAMES, RESERVED_TENANT_PREFIXES
+    from kvwatch.daemon.engines import tenants
+
+    assert tenants.RESERVED == RESERVED_TENANT_NAMES
+    namer = tenants.TenantNamer([], b"k" * 32)
+    assert namer.name("s", None).startswith(RESERVED_TENANT_PREFIXES[0])
+    assert namer.name(None, "x").startswith(RESERVED_TENANT_PREFIXES[1])
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        'engines.tenants=[{name="a", salt_sha256="hunter2-the-raw-salt"}]',
+        'engines.tenants=[{name="a", salt=1234567890}]',
+        'engines.tenants=["hunter2-the-raw-salt"]',
+        'alerts.alertmanager.url="ftp://admin:hunter2@alertmanager:9093"',
+        'alerts.alertmanager.url="admin:hunter2@alertmanager:9093"',
+        'engines.endpoints=[{pid=4, metrics_url="ftp://admin:hunter2@engine:8000/metrics"}]',
+        'engines.endpoints=[{pid=4, kv_events="admin:hunter2@engine:5557"}]',
+        "engines.tenants.0.salt:hunter2",  # no '=': the whole argument is not echoed either
+    ],
+)
+def test_a_problem_never_echoes_a_secret(capsys: pytest.CaptureFixture[str], setting: str) -> None:
+    lines = _problems(capsys, "--set", setting)
+    assert len(lines) == 1
+    assert "hunter2" not in lines[0] and "1234567890" not in lines[0], lines
+
+
+def test_a_problem_is_one_line_whatever_its_key_or_value(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text('"evil\\nkey" = 1\n[daemon]\nlisten = "a\\nb"\n[discovery]\nrules = [{engine="e", cmdline="(\\n"}]\n')
+    lines = _problems(capsys, "--config", str(f))
+    assert len(lines) == 3 and any(line.startswith("evil\\nkey: unknown key") for line in lines), lines
+
+
+@pytest.mark.parametrize("setting", [".=1", "a..b=1", "=1", "daemon.=1"])
+def test_a_malformed_set_key_is_a_problem_not_a_crash(capsys: pytest.CaptureFixture[str], setting: str) -> None:
+    (line,) = _problems(capsys, "--set", setting)
+    assert line.startswith("--set #1: ") and "KEY=VALUE" in line, line
+
+
+def test_a_malformed_environment_key_is_a_problem_not_a_crash() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={"KVWATCH_": "1", "KVWATCH_DAEMON__": "2"}, default_path=None)
+    assert sorted(p.source for p in err.value.problems) == ["environment KVWATCH_", "environment KVWATCH_DAEMON__"]
+
+
+def test_a_config_file_is_read_up_to_a_bound(tmp_path: Path) -> None:
+    f = tmp_path / "huge.toml"
+    with f.open("wb") as out:
+        out.truncate(2 * 1024 * 1024)  # two MiB of NULs, sparse
+    with pytest.raises(ConfigError, match=r"larger than 1 MiB"):
+        load_config(f, environ={}, default_path=None)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root searches any directory")
+def test_an_unreadable_default_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "kvwatch.toml").write_text("")
+    locked.chmod(0)
+    try:
+        with pytest.raises(ConfigError, match="cannot read"):
+            load_config(environ={}, default_path=locked / "kvwatch.toml")
+    finally:
+        locked.chmod(0o700)
