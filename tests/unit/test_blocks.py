@@ -135,7 +135,7 @@ def test_hash_memory_across_generations_and_its_bound() -> None:
 
 
 def test_hash_memory_bytes_hashes_and_puts_again() -> None:
-    mem = HashMemory(64)  # seals every 4
+    mem = HashMemory(64)  # seals every 32
     blocks = [bytes([i]) * 32 for i in range(23)]
     mem.put(blocks, 1.0)
     mem.put(blocks[:3], 2.0)  # put again: the newest time answers
