@@ -16,13 +16,21 @@ so do each tenant's (``tenants.py``), which are the reference group's too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.views import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
 
+if TYPE_CHECKING:
+    from kvwatch.daemon.engines.memory_budget import StreamPlan
+
 MAX_GROUPS = 16  # per medium; more are counted together as OTHER_GROUP
+# per stream (two media's worth: the GPU pool's and a lower tier's every group); past it a
+# medium's further groups count as its OTHER_GROUP. Every group is memories, counters per tenant
+# and rows in each snapshot: a publisher naming 9 media x 17 groups would multiply them all.
+MAX_STREAM_GROUPS = 2 * (MAX_GROUPS + 1)
 MAX_KIND_CHARS = 40
 
 
@@ -49,15 +57,16 @@ class MediumGroups:
         "kinds",
         "like",
         "locality",
-        "on_grow",
+        "plan",
         "windows",
     )
 
     def __init__(
-        self, bounds: tuple[int, int], like: MediumGroups | None = None, on_grow: Callable[[], None] | None = None
+        self, bounds: tuple[int, int], like: MediumGroups | None = None, plan: StreamPlan | None = None
     ) -> None:
         self.bounds = bounds  # store times, removals remembered (``_rebalance``), set by the stream's plan
-        self.on_grow = on_grow  # a group added: the stream's plan (``memory_budget.py``) looks again
+        # the stream's (``memory_budget.py``): its groups counted across media, its share split again
+        self.plan = plan
         # a tier below the GPU pool holds the same groups (its group_idx is the pool's) and says
         # nothing of their kinds (the offloading connector's placeholders): the pool's say it
         self.like = like
@@ -78,14 +87,14 @@ class MediumGroups:
         key = group_key(idx)
         g = self.groups.get(key)
         if g is None:
-            if len(self.groups) >= MAX_GROUPS:
+            if len(self.groups) >= MAX_GROUPS or (self.plan is not None and not self.plan.room(MAX_STREAM_GROUPS)):
                 key = OTHER_GROUP
                 g = self.groups.get(key)
             if g is None:
                 g = self.groups[key] = MediumBlocks(*self.bounds)
                 self.choose(force=True)
-                if self.on_grow is not None:
-                    self.on_grow()
+                if self.plan is not None:
+                    self.plan.apply()  # a medium's second group doubles what it holds
         return g
 
     @property

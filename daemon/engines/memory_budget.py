@@ -42,6 +42,9 @@ class Medium(Protocol):
     """What a plan needs of a medium (``groups.MediumGroups``)."""
 
     @property
+    def groups(self) -> Mapping[int, object]: ...
+
+    @property
     def grouped(self) -> bool: ...
 
     def set_bounds(self, bounds: tuple[int, int]) -> None: ...
@@ -113,6 +116,10 @@ class StreamPlan:
             self.budget.binding(wanted)
         for m, b in zip(self.media.values(), bounds, strict=True):
             m.set_bounds(b)
+
+    def room(self, most: int) -> bool:
+        """Fewer than ``most`` groups across the stream's media."""
+        return sum(len(m.groups) for m in self.media.values()) < most
 
     def close(self) -> None:
         if self.joined:

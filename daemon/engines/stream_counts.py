@@ -266,6 +266,6 @@ class StreamCounts:
             m = self.media.get(key)
             if m is None:
                 like = self.media.get(DEFAULT_MEDIUM) if key != DEFAULT_MEDIUM else None
-                m = self.media[key] = MediumGroups(self.bounds, like, self.plan.apply)
+                m = self.media[key] = MediumGroups(self.bounds, like, self.plan)
                 self.plan.apply()  # the stream's share split again, this medium included
         return m
