@@ -34,8 +34,7 @@ log = structlog.get_logger("kvwatch.kv_events")
 
 ENTRY_BYTES = 40  # per entry of capacity, a full hash memory's worst (see above)
 DEFAULT_BYTES = 256 << 20  # engines.kv_memory_bytes' default
-PRIMARY_MEDIA = 2  # the GPU pool and its first lower tier keep their bounds
-DEFAULT_MEDIUM = "GPU"
+DEFAULT_MEDIUM = "GPU"  # stream_counts.DEFAULT_MEDIUM: the GPU pool
 
 
 class Medium(Protocol):
@@ -57,10 +56,6 @@ class MemoryBudget:
         self.entries = max(nbytes // ENTRY_BYTES, 1)
         self._plans: list[StreamPlan] = []
         self._told = False  # the budget binding, logged once
-
-    @property
-    def streams(self) -> int:
-        return len(self._plans)
 
     @property
     def share(self) -> int:
@@ -85,7 +80,7 @@ class MemoryBudget:
         if not self._told:
             self._told = True
             log.warning(
-                "kv event memory budget binds: hash memories scaled down",
+                "kv event memory budget binds: hash memories scaled down (engines.kv_memory_bytes)",
                 streams=len(self._plans),
                 share_entries=self.share,
                 wanted_entries=wanted,
@@ -109,9 +104,9 @@ class StreamPlan:
             self.joined = True
             self.budget.join(self)  # re-plans every stream, this one included
             return
-        kinds = [(primary, m.grouped) for primary, m in zip(primaries(self.media), self.media.values(), strict=True)]
+        shape = [(primary, m.grouped) for primary, m in zip(primaries(self.media), self.media.values(), strict=True)]
         share = self.budget.share
-        bounds, wanted = split(share, self.bounds, kinds)
+        bounds, wanted = split(share, self.bounds, shape)
         if wanted > share:
             self.budget.binding(wanted)
         for m, b in zip(self.media.values(), bounds, strict=True):
@@ -162,4 +157,3 @@ def split(share: int, bounds: tuple[int, int], media: Sequence[tuple[bool, bool]
 def _scaled(bound: int, f: float) -> int:
     """A bound scaled down, never to 0 (which turns a memory off) unless it was 0."""
     return max(int(bound * f), 1) if bound > 0 else 0
-

@@ -20,7 +20,7 @@ import pytest
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_STREAM_GROUPS
-from kvwatch.daemon.engines.memory_budget import DEFAULT_BYTES, ENTRY_BYTES, MemoryBudget
+from kvwatch.daemon.engines.memory_budget import DEFAULT_BYTES, ENTRY_BYTES, MemoryBudget, primaries, split
 from kvwatch.daemon.engines.stream_counts import MAX_MEDIA, StreamCounts
 from kvwatch.daemon.lab import wire_encode as we
 from pydantic import ValidationError
@@ -112,3 +112,18 @@ def test_the_memory_keys_are_bounded() -> None:
         with pytest.raises(ValidationError, match=key):
             EnginesConfig(**{key: 10**14})
     assert EnginesConfig().kv_memory_bytes == DEFAULT_BYTES
+
+
+def test_the_pool_and_its_lower_tier_keep_their_bounds_first() -> None:
+    """The split of a stream's share: GPU and its first lower tier (primary) whole while the share
+    allows, the further media one medium's bounds between them, scaled to what is left."""
+    one, grouped = (True, False), (True, True)
+    extra = (False, False)
+    plenty, wanted = split(10 * (S + R), (S, R), [grouped, one, extra, extra])
+    assert plenty == [(S, R), (S, R), (S // 2, R // 2), (S // 2, R // 2)] and wanted == 4 * (S + R)
+    tight, _ = split(3 * (S + R) + (S + R) // 2, (S, R), [grouped, one, extra, extra])
+    assert tight[:2] == [(S, R), (S, R)] and tight[2] == tight[3] == (S // 4, R // 4)  # half of what they want
+    scarce, _ = split(S + R, (S, R), [grouped, one, extra])
+    assert scarce == [(S // 3, R // 3), (S // 3, R // 3), (1, 1)]  # the primary media scaled, the rest at 1
+    assert split(S + R, (S, 0), [one])[0] == [(S, 0)]  # a memory turned off stays off
+    assert primaries({"CPU": 0, "GPU": 0, "disk": 0, "other": 0}) == [True, True, False, False]
