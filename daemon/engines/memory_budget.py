@@ -1,5 +1,5 @@
 """How much the KV event accounting may remember: one budget for the node, shared by its
-streams, and each stream's share split over its media.
+streams, and each stream's part split over its media.
 
 A hash memory (``hashmem.py``) costs at most ENTRY_BYTES per entry of its capacity when full:
 23 bytes an entry sealed, 1-2 of bit filter, the open dict's ~110 bytes an entry for at most a
@@ -12,15 +12,20 @@ stream names: vLLM's CPU offload, LMCache's tier) each keep the configured bound
 one more such medium's bounds. A medium gives its reference group its bounds and its other
 groups one more such bound between them (``groups.py``), so a publisher that names every medium
 and group it can holds at most three media's worth: 6 x (max_tracked_blocks +
-regret_memory_blocks) entries.
+regret_memory_blocks) entries. That is what a stream *wants*.
 
 Per node (``MemoryBudget``): the streams that have named a medium share
-``engines.kv_memory_bytes`` equally. Where a stream's share is less than its media would hold,
-the GPU pool and its first lower tier keep as much of their bounds as the share allows and the
-further media get what is left. A stream that joins shrinks the others' memories at once (their
-oldest entries forgotten, counted as ``stores_forgotten`` / ``removals_forgotten``); one that
-leaves gives its share back. The hub's one thread serves every stream, so a re-plan happens on
-the thread that fills the memories.
+``engines.kv_memory_bytes``, max-min fair by use: each stream is first given what it holds with
+room to double (at least a sixteenth of what it wants, at most all of it), the fairest split of
+the budget where those do not all fit; what is left goes, as fairly, to what they want beyond.
+So a stream that holds little leaves the rest to the others, and a stream that fills its part is
+given more while there is more, else no less than an equal share. A stream nearing its part
+asks again (after a batch, each time it has grown by a quarter); a stream that joins, leaves or
+names a medium or group re-plans every stream. A part that shrinks forgets its oldest entries at
+once, counted as ``stores_forgotten`` / ``removals_forgotten``. Where a stream's part is less than
+it wants, the GPU pool and its first lower tier keep as much of their bounds as it allows and
+the further media get what is left. The hub's one thread serves every stream, so a re-plan
+happens on the thread that fills the memories.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ log = structlog.get_logger("kvwatch.kv_events")
 ENTRY_BYTES = 40  # per entry of capacity, a full hash memory's worst (see above)
 DEFAULT_BYTES = 256 << 20  # engines.kv_memory_bytes' default
 DEFAULT_MEDIUM = "GPU"  # stream_counts.DEFAULT_MEDIUM: the GPU pool
+GROWTH = 2  # a stream is first given what it holds times this
+FLOOR_PART = 16  # and at least this part of what it wants
+ASK_AT = 3 / 4  # a stream holding this much of its part asks again,
+ASK_GROWTH = 5 / 4  # once it holds this much more than when it last asked
 
 
 class Medium(Protocol):
@@ -46,71 +55,109 @@ class Medium(Protocol):
     @property
     def grouped(self) -> bool: ...
 
+    @property
+    def remembered(self) -> int: ...
+
     def set_bounds(self, bounds: tuple[int, int]) -> None: ...
 
 
 class MemoryBudget:
-    """The node's hash memories: ``nbytes`` shared equally by the streams that hold any."""
+    """The node's hash memories: ``nbytes`` shared by the streams that hold any."""
 
     def __init__(self, nbytes: int = DEFAULT_BYTES) -> None:
         self.entries = max(nbytes // ENTRY_BYTES, 1)
         self._plans: list[StreamPlan] = []
         self._told = False  # the budget binding, logged once
 
-    @property
-    def share(self) -> int:
-        return self.entries // max(len(self._plans), 1)
-
     def join(self, plan: StreamPlan) -> None:
         if plan not in self._plans:
             self._plans.append(plan)
-            self._replan()
+        self.replan()
 
     def leave(self, plan: StreamPlan) -> None:
         if plan in self._plans:
             self._plans.remove(plan)
-            self._replan()
+            self.replan()
 
-    def _replan(self) -> None:
-        for p in self._plans:
-            p.apply()
+    def replan(self) -> None:
+        """Every stream's part, from what each holds and wants (see the module's doc)."""
+        plans = self._plans
+        wants = [p.wanted() for p in plans]
+        held = [min(w, max(GROWTH * p.used(), w // FLOOR_PART)) for p, w in zip(plans, wants, strict=True)]
+        first = fair(self.entries, held)
+        more = fair(self.entries - sum(first), [w - a for w, a in zip(wants, first, strict=True)])
+        for p, w, a, b in zip(plans, wants, first, more, strict=True):
+            if a + b < w:
+                self._binding(a + b, w)
+            p.allot(a + b, w)
 
-    def binding(self, wanted: int) -> None:
-        """A stream's media would hold ``wanted`` entries, more than its share: said once."""
+    def _binding(self, part: int, wanted: int) -> None:
+        """A stream is given less than it wants: said once."""
         if not self._told:
             self._told = True
             log.warning(
                 "kv event memory budget binds: hash memories scaled down (engines.kv_memory_bytes)",
                 streams=len(self._plans),
-                share_entries=self.share,
+                part_entries=part,
                 wanted_entries=wanted,
             )
 
 
+def fair(total: int, caps: Sequence[int]) -> list[int]:
+    """``total`` split max-min fairly: each gets its cap, or an equal share of what the smaller
+    caps leave, whichever is less."""
+    out = [0] * len(caps)
+    left = max(total, 0)
+    for k, i in enumerate(sorted(range(len(caps)), key=caps.__getitem__)):
+        out[i] = min(max(caps[i], 0), left // (len(caps) - k))
+        left -= out[i]
+    return out
+
+
 class StreamPlan:
-    """One stream's share of the budget, split over its media (by name, in the order named)."""
+    """One stream's part of the budget, split over its media (by name, in the order named)."""
 
     def __init__(self, bounds: tuple[int, int], budget: MemoryBudget, media: Mapping[str, Medium]) -> None:
         self.bounds = bounds
         self.budget = budget
         self.media = media
         self.joined = False
+        self.part = 0  # entries given
+        self.want = 0  # entries it would hold at full bounds
+        self._asked = 0  # entries held when it last asked for more
 
     def apply(self) -> None:
-        """Each medium's bounds from the stream's share; the first call joins the budget."""
+        """A medium or group named: every stream's part again (the first time, this one joins)."""
         if not self.media:
             return
         if not self.joined:
             self.joined = True
-            self.budget.join(self)  # re-plans every stream, this one included
-            return
-        shape = [(primary, m.grouped) for primary, m in zip(primaries(self.media), self.media.values(), strict=True)]
-        share = self.budget.share
-        bounds, wanted = split(share, self.bounds, shape)
-        if wanted > share:
-            self.budget.binding(wanted)
-        for m, b in zip(self.media.values(), bounds, strict=True):
+            self.budget.join(self)
+        else:
+            self.budget.replan()
+
+    def _shape(self) -> list[tuple[bool, bool]]:
+        return [(primary, m.grouped) for primary, m in zip(primaries(self.media), self.media.values(), strict=True)]
+
+    def wanted(self) -> int:
+        return wanted(self.bounds, self._shape())
+
+    def used(self) -> int:
+        return sum(m.remembered for m in self.media.values())
+
+    def allot(self, entries: int, want: int) -> None:
+        self.part, self.want = entries, want
+        for m, b in zip(self.media.values(), split(entries, self.bounds, self._shape()), strict=True):
             m.set_bounds(b)
+
+    def check(self) -> None:
+        """After a batch: a stream nearing its part, given less than it wants, asks again."""
+        if not self.joined or self.part >= self.want:
+            return
+        used = self.used()
+        if used >= ASK_AT * self.part and used > ASK_GROWTH * self._asked:
+            self._asked = used
+            self.budget.replan()
 
     def room(self, most: int) -> bool:
         """Fewer than ``most`` groups across the stream's media."""
@@ -134,24 +181,35 @@ def primaries(media: Mapping[str, object]) -> list[bool]:
     return out
 
 
-def split(share: int, bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> tuple[list[tuple[int, int]], int]:
-    """Each medium's bounds, given per medium whether it is primary and whether it has more than
-    one group (then it holds twice its bounds), and the entries the media would hold unscaled.
-    The primary media are scaled to the share if they must; the others share one medium's bounds
-    and are scaled to what the primary media leave of the share."""
-    stored, removed = bounds
-    unit = stored + removed
+def _held(bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> list[float]:
+    """Per medium, the entries it holds at full bounds: a medium with more than one group
+    twice its bounds; the further media one medium's bounds between them."""
+    unit = bounds[0] + bounds[1]
     extras = sum(1 for primary, _ in media if not primary)
-    held = [(2 if grouped else 1) * (unit if primary else unit / extras) for primary, grouped in media]
+    return [(2 if grouped else 1) * (unit if primary else unit / extras) for primary, grouped in media]
+
+
+def wanted(bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> int:
+    """The entries a stream of these media holds at full bounds."""
+    return round(sum(_held(bounds, media)))
+
+
+def split(part: int, bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> list[tuple[int, int]]:
+    """Each medium's bounds, given per medium whether it is primary and whether it has more than
+    one group. The primary media are scaled to the part if they must; the others share one
+    medium's bounds and are scaled to what the primary media leave of the part."""
+    stored, removed = bounds
+    held = _held(bounds, media)
+    extras = sum(1 for primary, _ in media if not primary)
     first = sum(h for h, (primary, _) in zip(held, media, strict=True) if primary)
     rest = sum(held) - first
-    f_first = min(1.0, share / first) if first else 1.0
-    f_rest = min(1.0, max(share - f_first * first, 0.0) / rest) if rest else 1.0
+    f_first = min(1.0, part / first) if first else 1.0
+    f_rest = min(1.0, max(part - f_first * first, 0.0) / rest) if rest else 1.0
     out = []
     for primary, _ in media:
         f = f_first if primary else f_rest / extras
         out.append((_scaled(stored, f), _scaled(removed, f)))
-    return out, round(first + rest)
+    return out
 
 
 def _scaled(bound: int, f: float) -> int:

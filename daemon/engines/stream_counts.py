@@ -146,6 +146,7 @@ class StreamCounts:
         self._settle(ts)
         if not self._learning and self._count_named() != self._named:
             self._learning = LEARN_BATCHES  # a group (or medium) showed up late
+        self.plan.check()  # nearing its part of the node's memory budget: ask again
 
     def _count_named(self) -> int:
         """Media and groups known: a change means the engine named one more."""

@@ -1,7 +1,7 @@
 """The node's KV memory budget on the real hub (``engines/kv_events.py``, ``memory_budget.py``):
-streams on real ZMQ sockets share ``kv_memory_bytes``; a stream that starts holding shrinks the
-others at once, one the hub drops gives its share back, and every entry a shrink drops is
-counted forgotten. Each wait ends on what the hub has counted."""
+streams on real ZMQ sockets share ``kv_memory_bytes``; a stream that fills its part shrinks the
+others to an equal share at once, one the hub drops gives its part back, and every entry a
+shrink drops is counted forgotten. Each wait ends on what the hub has counted."""
 
 from __future__ import annotations
 
@@ -60,13 +60,13 @@ def test_streams_share_the_budget_and_give_it_back() -> None:
         with streams(hub, 2) as [(a, pub_a), (b, pub_b)]:
             alone = fill(hub, a, pub_a, 1 << 40)
             assert alone.tracked_blocks > BUDGET // 2  # alone (b holds nothing yet): its whole bound
-            fill(hub, b, pub_b, 1 << 41)  # b starts holding: a shrinks at once
+            fill(hub, b, pub_b, 1 << 41)  # b fills: a shrinks at once
             now = hub.stats()
             held = now[a].tracked_blocks, now[b].tracked_blocks
             assert sum(held) <= BUDGET and max(held) <= BUDGET // 2, held
             # what a's shrink dropped is counted, not lost silently
             assert forgotten(now[a]) - forgotten(alone) == alone.tracked_blocks - now[a].tracked_blocks
-            hub.set_streams([a])  # b goes: its share back to a
+            hub.set_streams([a])  # b goes: its part back to a
             wait_until(lambda: b not in hub.stats(), 10, "stream b closed")
             again = fill(hub, a, pub_a, 1 << 42)
             assert again.tracked_blocks > BUDGET // 2

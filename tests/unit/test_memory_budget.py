@@ -3,9 +3,9 @@
 * A stream's hash memories hold at most three media's worth (the GPU pool's, its first lower
   tier's, and one more that the other media share), a medium's worth being twice one group's
   bound: a publisher that names every medium and group it can does not multiply its memory.
-* The node's streams share one budget (``engines.kv_memory_bytes``): a stream that joins shrinks
-  the others' memories at once, one that leaves gives its share back, and every entry a shrink
-  drops is counted as forgotten.
+* The node's streams share one budget (``engines.kv_memory_bytes``) by use: a stream that holds
+  little takes nothing from the others, one that fills shrinks them to an equal share at once,
+  one that leaves gives its part back, and every entry a shrink drops is counted as forgotten.
 
 Streams are fed the bytes vLLM's encoder sends (``wire_encode``), through the real decoding.
 """
@@ -20,7 +20,15 @@ import pytest
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_STREAM_GROUPS
-from kvwatch.daemon.engines.memory_budget import DEFAULT_BYTES, ENTRY_BYTES, MemoryBudget, primaries, split
+from kvwatch.daemon.engines.memory_budget import (
+    DEFAULT_BYTES,
+    ENTRY_BYTES,
+    MemoryBudget,
+    fair,
+    primaries,
+    split,
+    wanted,
+)
 from kvwatch.daemon.engines.stream_counts import MAX_MEDIA, StreamCounts
 from kvwatch.daemon.lab import wire_encode as we
 from pydantic import ValidationError
@@ -59,6 +67,10 @@ def tracked(counts: StreamCounts) -> int:
     return sum(m.remembered for m in counts.media.values())
 
 
+def forgotten(counts: StreamCounts) -> int:
+    return sum(g.totals().stores_forgotten + g.totals().removals_forgotten for g in groups_of(counts))
+
+
 def assert_honest(counts: StreamCounts) -> None:
     """Every block stored is held, was removed, or is counted forgotten; every removal is
     remembered or counted forgotten (no hash is stored twice here, none comes back)."""
@@ -93,15 +105,19 @@ def test_streams_share_the_node_budget_and_a_shrink_is_counted() -> None:
     fill(a, "GPU", 0, 1 << 40, S + R)
     ref = a.media["GPU"].groups[0]
     assert ref.bounds == (S, R) and ref.remembered > S  # alone: its whole bound, filled
+    kept, before = forgotten(a), tracked(a)
     b = StreamCounts((S, R), 5.0, budget=budget)
-    fill(b, "GPU", 0, 1 << 41, S + R)  # b joins: a's memories shrink at once
+    fill(b, "GPU", 0, 1 << 41, 8)  # b joins, holding little: a keeps its bounds and all it holds
+    assert ref.bounds == (S, R) and forgotten(a) == kept
+    fill(b, "GPU", 0, 1 << 42, S + R)  # b fills: a's memories shrink to an equal share at once
     held = [tracked(c) for c in (a, b)]
     assert sum(held) <= budget.entries, held
     assert held[0] <= budget.entries // 2 and sum(ref.bounds) <= budget.entries // 2
+    assert forgotten(a) - kept == before - held[0]  # every entry the shrink dropped counted
     assert_honest(a)
     assert_honest(b)
-    b.close()  # gone: its share back to a
-    fill(a, "GPU", 0, 1 << 42, S + R, ts=2.0)
+    b.close()  # gone: its part back to a
+    fill(a, "GPU", 0, 1 << 43, S + R, ts=2.0)
     assert ref.bounds == (S, R) and ref.remembered > budget.entries // 2
     assert_honest(a)
 
@@ -115,15 +131,22 @@ def test_the_memory_keys_are_bounded() -> None:
 
 
 def test_the_pool_and_its_lower_tier_keep_their_bounds_first() -> None:
-    """The split of a stream's share: GPU and its first lower tier (primary) whole while the share
+    """The split of a stream's part: GPU and its first lower tier (primary) whole while the part
     allows, the further media one medium's bounds between them, scaled to what is left."""
     one, grouped = (True, False), (True, True)
     extra = (False, False)
-    plenty, wanted = split(10 * (S + R), (S, R), [grouped, one, extra, extra])
-    assert plenty == [(S, R), (S, R), (S // 2, R // 2), (S // 2, R // 2)] and wanted == 4 * (S + R)
-    tight, _ = split(3 * (S + R) + (S + R) // 2, (S, R), [grouped, one, extra, extra])
+    shape = [grouped, one, extra, extra]
+    assert wanted((S, R), shape) == 4 * (S + R)
+    assert split(10 * (S + R), (S, R), shape) == [(S, R), (S, R), (S // 2, R // 2), (S // 2, R // 2)]
+    tight = split(3 * (S + R) + (S + R) // 2, (S, R), shape)
     assert tight[:2] == [(S, R), (S, R)] and tight[2] == tight[3] == (S // 4, R // 4)  # half of what they want
-    scarce, _ = split(S + R, (S, R), [grouped, one, extra])
+    scarce = split(S + R, (S, R), [grouped, one, extra])
     assert scarce == [(S // 3, R // 3), (S // 3, R // 3), (1, 1)]  # the primary media scaled, the rest at 1
-    assert split(S + R, (S, 0), [one])[0] == [(S, 0)]  # a memory turned off stays off
+    assert split(S + R, (S, 0), [one]) == [(S, 0)]  # a memory turned off stays off
     assert primaries({"CPU": 0, "GPU": 0, "disk": 0, "other": 0}) == [True, True, False, False]
+
+
+def test_the_budget_is_split_max_min_fair() -> None:
+    assert fair(100, [10, 80, 80]) == [10, 45, 45]
+    assert fair(100, [10, 20]) == [10, 20]
+    assert fair(10, [0, 100, 100]) == [0, 5, 5]
