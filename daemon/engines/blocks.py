@@ -50,7 +50,7 @@ from kvwatch.daemon.engines.wire import Hash
 OFFLOAD_SETTLE_SECONDS = 5.0  # engine time a GPU removal waits for its offload's announcement
 MAX_PENDING = 1 << 16  # removals waiting, at most; past it the oldest are judged at once
 PENDING_PER_STORED = 16  # and at most one per this many store times the group remembers
-MIN_PENDING = 1024
+MIN_PENDING = 1024  # and at least this many (a small group's removals of one batch still wait)
 # per-tenant counters, by tag: the MediumTotals fields a tenant has
 T_FIELDS = ("stored", "removed", "removed_young", "regretted", "regret_tokens", "dropped", "cleared")
 T_STORED, T_REMOVED, T_YOUNG, T_REGRET, T_REGRET_TOKENS, T_DROPPED, T_CLEARED = range(len(T_FIELDS))

@@ -65,7 +65,7 @@ class MediumGroups:
         self, bounds: tuple[int, int], like: MediumGroups | None = None, plan: StreamPlan | None = None
     ) -> None:
         self.bounds = bounds  # store times, removals remembered (``_rebalance``), set by the stream's plan
-        # the stream's (``memory_budget.py``): its groups counted across media, its share split again
+        # the stream's (``memory_budget.py``): its groups counted across media, its part split again
         self.plan = plan
         # a tier below the GPU pool holds the same groups (its group_idx is the pool's) and says
         # nothing of their kinds (the offloading connector's placeholders): the pool's say it

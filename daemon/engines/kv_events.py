@@ -77,7 +77,7 @@ class _Stream:
         self.last_at = now
 
     def close(self) -> None:
-        self.counts.close()  # its share of the node's memory budget back to the other streams
+        self.counts.close()  # its part of the node's memory budget back to the other streams
         with contextlib.suppress(zmq.ZMQError):
             self.sub.disable_monitor()
         for s in (self.monitor, self.sub, self.dealer):
