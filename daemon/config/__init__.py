@@ -263,10 +263,15 @@ class EnginesConfig(_Section):
     scrape_timeout_seconds: PositiveFloat = 2.0
     replay_timeout_seconds: PositiveFloat = 2.0
     thrash_seconds: PositiveFloat = 10.0
-    max_tracked_blocks: Annotated[int, Field(ge=1024)] = 1_000_000
-    # Removed block hashes remembered per stream and medium to see them stored again
-    # (regretted evictions); about 23 bytes each, the oldest forgotten first (counted). 0: off.
-    regret_memory_blocks: Annotated[int, Field(ge=0)] = 524_288
+    # Store times remembered per stream, medium and KV cache group, to see young removals; about
+    # 24 bytes each when full (40 at worst), the oldest forgotten first (counted).
+    max_tracked_blocks: Annotated[int, Field(ge=1024, le=1 << 26)] = 1_000_000
+    # Removed block hashes remembered per stream, medium and group to see them stored again
+    # (regretted evictions); as many bytes each. 0: off.
+    regret_memory_blocks: Annotated[int, Field(ge=0, le=1 << 26)] = 524_288
+    # What every stream's hash memories together may hold on this node (the streams share it, each
+    # medium and group within its bounds above: docs/architecture.md, "What the accounting keeps").
+    kv_memory_bytes: Annotated[int, Field(ge=16 << 20, le=16 << 30)] = 256 << 20
     # Bytes of one KV block, to price the loss ledger; 0: learnt from the engine's offload
     # counter (bytes copied to its CPU tier over CPU blocks announced), else blocks only.
     kv_block_bytes: Annotated[int, Field(ge=0, le=1 << 32)] = 0

@@ -48,7 +48,9 @@ from kvwatch.daemon.engines.views import REGRET_BUCKETS, MediumTotals
 from kvwatch.daemon.engines.wire import Hash
 
 OFFLOAD_SETTLE_SECONDS = 5.0  # engine time a GPU removal waits for its offload's announcement
-MAX_PENDING = 1 << 16  # removals waiting; past it the oldest are judged at once
+MAX_PENDING = 1 << 16  # removals waiting, at most; past it the oldest are judged at once
+PENDING_PER_STORED = 16  # and at most one per this many store times the group remembers
+MIN_PENDING = 1024  # and at least this many (a small group's removals of one batch still wait)
 # per-tenant counters, by tag: the MediumTotals fields a tenant has
 T_FIELDS = ("stored", "removed", "removed_young", "regretted", "regret_tokens", "dropped", "cleared")
 T_STORED, T_REMOVED, T_YOUNG, T_REGRET, T_REGRET_TOKENS, T_DROPPED, T_CLEARED = range(len(T_FIELDS))
@@ -58,6 +60,7 @@ class MediumBlocks:
     __slots__ = (
         "_copies",
         "_pending",
+        "_pending_max",
         "_pending_n",
         "_regret_le",
         "_removed_at",
@@ -91,6 +94,7 @@ class MediumBlocks:
         self._removed_at = HashMemory(max_removed)  # capacity 0: no regret accounting
         self._pending: deque[tuple[float, list[int], dict[int, int]]] = deque()  # GPU removals not offloaded yet
         self._pending_n = 0
+        self._pending_max = _pending_max(max_stored)
         # a hash held in more than one physical block (stored again while held): its copies beyond
         # the first, so that removing one copy leaves it held; at most max_stored // 16 such hashes
         self._copies: dict[int, int] = {}
@@ -155,7 +159,7 @@ class MediumBlocks:
         if judged:
             self._pending.append((ts, judged, tag_of))
             self._pending_n += len(judged)
-            if self._pending_n > MAX_PENDING:
+            if self._pending_n > self._pending_max:
                 self.settle(float("inf"), lower)
         seen = set(keys)
         again = [f for f in fps if f not in seen]  # removed before without a store between
@@ -222,6 +226,12 @@ class MediumBlocks:
     def resize(self, max_stored: int, max_removed: int) -> None:
         self._stored_at.resize(max_stored)
         self._removed_at.resize(max_removed)
+        self._pending_max = _pending_max(max_stored)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The capacities of the two memories: store times, removals."""
+        return self._stored_at.capacity, self._removed_at.capacity
 
     def holds(self, h: Hash) -> bool:
         return self._stored_at.count([fingerprint(h)]) > 0
@@ -301,6 +311,11 @@ class MediumBlocks:
             announced=self.announced,
             announced_tokens=self.announced_tokens,
         )
+
+
+def _pending_max(max_stored: int) -> int:
+    """GPU removals a group keeps waiting for their offload: in proportion to what it remembers."""
+    return min(MAX_PENDING, max(max_stored // PENDING_PER_STORED, MIN_PENDING))
 
 
 def _dropped(fps: Sequence[int], lower: Sequence[MediumBlocks]) -> int:

@@ -18,12 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.views import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
 
+if TYPE_CHECKING:
+    from kvwatch.daemon.engines.memory_budget import StreamPlan
+
 MAX_GROUPS = 16  # per medium; more are counted together as OTHER_GROUP
+# per stream (two media's worth: the GPU pool's and a lower tier's every group); past it a
+# medium's further groups count as its OTHER_GROUP. Every group is memories, counters per tenant
+# and rows in each snapshot: a publisher naming 9 media x 17 groups would multiply them all.
+MAX_STREAM_GROUPS = 2 * (MAX_GROUPS + 1)
 MAX_KIND_CHARS = 40
+
+
+def _part(bound: int, n: int) -> int:
+    """One of ``n`` shares of a bound; never 0 (a memory turned off) unless the bound is."""
+    return max(bound // n, 1) if bound > 0 else 0
 
 
 def group_key(idx: int | None) -> int:
@@ -44,11 +57,16 @@ class MediumGroups:
         "kinds",
         "like",
         "locality",
+        "plan",
         "windows",
     )
 
-    def __init__(self, bounds: tuple[int, int], like: MediumGroups | None = None) -> None:
-        self.bounds = bounds  # store times, removals remembered (``_rebalance``)
+    def __init__(
+        self, bounds: tuple[int, int], like: MediumGroups | None = None, plan: StreamPlan | None = None
+    ) -> None:
+        self.bounds = bounds  # store times, removals remembered (``_rebalance``), set by the stream's plan
+        # the stream's (``memory_budget.py``): its groups counted across media, its part split again
+        self.plan = plan
         # a tier below the GPU pool holds the same groups (its group_idx is the pool's) and says
         # nothing of their kinds (the offloading connector's placeholders): the pool's say it
         self.like = like
@@ -69,24 +87,38 @@ class MediumGroups:
         key = group_key(idx)
         g = self.groups.get(key)
         if g is None:
-            if len(self.groups) >= MAX_GROUPS:
+            if len(self.groups) >= MAX_GROUPS or (self.plan is not None and not self.plan.room(MAX_STREAM_GROUPS)):
                 key = OTHER_GROUP
                 g = self.groups.get(key)
             if g is None:
                 g = self.groups[key] = MediumBlocks(*self.bounds)
                 self.choose(force=True)
+                if self.plan is not None:
+                    self.plan.apply()  # a medium's second group doubles what it holds
         return g
+
+    @property
+    def grouped(self) -> bool:
+        """More than one group: the others hold one more bound beside the reference's."""
+        return len(self.groups) > 1
+
+    def set_bounds(self, bounds: tuple[int, int]) -> None:
+        if bounds != self.bounds:
+            self.bounds = bounds
+            if self._ref is not None:
+                self._rebalance()
 
     def _rebalance(self) -> None:
         """The reference group remembers as much as a single-group medium would; the others share
         one more such bound between them (a hybrid's window groups mirror each other, and their
         blocks leave young by design): at most twice a single group's memory per medium."""
         others = max(len(self.groups) - 1, 1)
+        stored, removed = self.bounds
         for k, g in self.groups.items():
             if k == self._ref:
-                g.resize(*self.bounds)
+                g.resize(stored, removed)
             else:
-                g.resize(self.bounds[0] // others, self.bounds[1] // others)
+                g.resize(_part(stored, others), _part(removed, others))
 
     def learn(self, idx: int | None, kind: str | None, window: int | None, locality: str | None) -> bool:
         """What a BlockStored says of its group (and where the medium lives); True when it told a

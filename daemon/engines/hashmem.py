@@ -2,7 +2,7 @@
 
 A Python dict costs about 100 bytes per block hash (the key object, the float, the slot),
 so a million remembered blocks would be 100 MB per stream and medium. Here the newest
-entries sit in a dict (one sixteenth of the capacity, 16,384 at most); when it fills it is sealed:
+entries sit in a dict (one sixteenth of the capacity, 16,384 at most, 64 at least); when it fills it is sealed:
 merged into numpy arrays sorted by hash fingerprint, beside each entry's time, the seal it
 came in (its generation), a live flag and a tag (23 bytes an entry; ``hashmem_sealed.py``,
 created on the first seal, so that numpy is imported only by a memory that fills). Each seal drops the entries
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 MASK64 = (1 << 64) - 1
 GENERATIONS = 16  # the dict holds at most capacity / GENERATIONS entries,
-OPEN_MAX = 16_384  # and at most this many: a dict entry costs ~100 bytes, a sealed one 23
+OPEN_MAX = 16_384  # and at most this many: a dict entry costs ~100 bytes, a sealed one 23;
+OPEN_MIN = 64  # but at least this many (or half the capacity): a seal costs ~100 µs however small
 
 
 def fingerprint(h: Hash) -> int:
@@ -41,10 +42,14 @@ def fingerprint(h: Hash) -> int:
     return int.from_bytes(h[-8:], "little")
 
 
+def _open_limit(capacity: int) -> int:
+    return max(min(capacity // GENERATIONS, OPEN_MAX), min(OPEN_MIN, capacity // 2), 1)
+
+
 class HashMemory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.open_limit = max(min(capacity // GENERATIONS, OPEN_MAX), 1)
+        self.open_limit = _open_limit(capacity)
         self._open: dict[int, float] = {}
         self._sealed: SealedEntries | None = None  # from the first seal on
         self._open_tags: dict[int, int] = {}  # the open entries' non-zero tags
@@ -58,9 +63,10 @@ class HashMemory:
     def resize(self, capacity: int) -> None:
         """A new bound; a smaller one forgets the oldest entries (counted) at once."""
         self.capacity = capacity
-        self.open_limit = max(min(capacity // GENERATIONS, OPEN_MAX), 1)
-        if capacity > 0 and len(self) > capacity - self.open_limit:
-            self._seal()
+        self.open_limit = _open_limit(capacity)
+        for _ in range(2):  # a second seal, of nothing, drops a newest generation larger than the room
+            if capacity > 0 and len(self) > capacity - self.open_limit:
+                self._seal()
 
     def __len__(self) -> int:
         """Live entries."""

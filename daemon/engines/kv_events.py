@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import structlog
 import zmq
+from kvwatch.daemon.engines.memory_budget import DEFAULT_BYTES, MemoryBudget
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
@@ -55,6 +56,7 @@ class _Stream:
         thrash_seconds: float,
         *,
         namer: TenantNamer | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.spec = spec
         self.sub = ctx.socket(zmq.SUB)
@@ -66,7 +68,7 @@ class _Stream:
         self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sub.connect(spec.endpoint)
         self.dealer: zmq.Socket[bytes] | None = None
-        self.counts = StreamCounts(bounds, thrash_seconds, namer)
+        self.counts = StreamCounts(bounds, thrash_seconds, namer, budget)
         self.connected = False
         self.expected: int | None = None
         self.gaps = self.missed = self.replayed = self.lost = self.restarts = self.replay_requests = 0
@@ -75,6 +77,7 @@ class _Stream:
         self.last_at = now
 
     def close(self) -> None:
+        self.counts.close()  # its part of the node's memory budget back to the other streams
         with contextlib.suppress(zmq.ZMQError):
             self.sub.disable_monitor()
         for s in (self.monitor, self.sub, self.dealer):
@@ -105,6 +108,7 @@ class KVEventHub:
         thrash_seconds: float = 10.0,
         max_tracked_blocks: int = 1_000_000,
         regret_memory_blocks: int = 524_288,
+        kv_memory_bytes: int = DEFAULT_BYTES,
         replay_timeout_seconds: float = 2.0,
         max_replay_batches: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
@@ -113,6 +117,7 @@ class KVEventHub:
         self.thrash_seconds = thrash_seconds
         self.namer = namer
         self.bounds = (max_tracked_blocks, regret_memory_blocks)
+        self.budget = MemoryBudget(kv_memory_bytes)  # the node's, shared by the streams
         self.replay_timeout = replay_timeout_seconds
         self.max_replay = max_replay_batches
         self.clock = clock
@@ -210,7 +215,15 @@ class KVEventHub:
                 st.close()
             for spec in wanted - self._streams.keys():
                 try:
-                    st = _Stream(spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds, namer=self.namer)
+                    st = _Stream(
+                        spec,
+                        self._ctx,
+                        self.clock(),
+                        self.bounds,
+                        self.thrash_seconds,
+                        namer=self.namer,
+                        budget=self.budget,
+                    )
                 except zmq.ZMQError as err:
                     self._fail("connect", err)
                     continue

@@ -28,6 +28,7 @@ import msgspec
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MediumGroups, group_key
 from kvwatch.daemon.engines.hashmem import fingerprint
+from kvwatch.daemon.engines.memory_budget import MemoryBudget, StreamPlan
 from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN, TenantBook, TenantNamer
 from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import (
@@ -45,11 +46,21 @@ from kvwatch.daemon.engines.wire import (
 BLOCK_EVENTS = (*STORED, *REMOVED)
 LEARN_BATCHES = 64
 DEFAULT_MEDIUM = "GPU"  # events without a medium (vLLM ≤ 0.10) came from the GPU block pool
-MAX_MEDIA = 8
+MAX_MEDIA = 8  # named media; the rest, and names too long or not printable, count as "other"
+MAX_MEDIUM_CHARS = 32
 
 
 class StreamCounts:
-    def __init__(self, bounds: tuple[int, int], thrash_seconds: float, namer: TenantNamer | None = None) -> None:
+    """``budget``: the node's, which the hub's streams share (``memory_budget.py``); a stream
+    counted on its own has one to itself."""
+
+    def __init__(
+        self,
+        bounds: tuple[int, int],
+        thrash_seconds: float,
+        namer: TenantNamer | None = None,
+        budget: MemoryBudget | None = None,
+    ) -> None:
         self.bounds = bounds  # per medium and group: store times, removals remembered
         self.thrash_seconds = thrash_seconds
         self.decoder = Decoder()
@@ -62,9 +73,14 @@ class StreamCounts:
         self._lowers: dict[int, list[MediumBlocks]] = {}  # per GPU group, within one batch
         self._learning = LEARN_BATCHES  # batches left in which the groups a batch names are read first
         self._named = 0  # media and groups known when learning last stopped
+        self.plan = StreamPlan(bounds, budget or MemoryBudget(), self.media)
 
     def error(self, kind: str, n: int = 1) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + n
+
+    def close(self) -> None:
+        """The stream is gone: its share of the node's budget goes back to the others."""
+        self.plan.close()
 
     def restart(self) -> None:
         """A new publisher (the engine restarted): its hashes need not mean what they meant."""
@@ -130,6 +146,7 @@ class StreamCounts:
         self._settle(ts)
         if not self._learning and self._count_named() != self._named:
             self._learning = LEARN_BATCHES  # a group (or medium) showed up late
+        self.plan.check()  # nearing its part of the node's memory budget: ask again
 
     def _count_named(self) -> int:
         """Media and groups known: a change means the engine named one more."""
@@ -245,8 +262,11 @@ class StreamCounts:
         key = name or DEFAULT_MEDIUM
         m = self.media.get(key)
         if m is None:
-            if len(self.media) >= MAX_MEDIA or len(key) > 32 or not key.isprintable():
+            if len(self.media) >= MAX_MEDIA or len(key) > MAX_MEDIUM_CHARS or not key.isprintable():
                 key = "other"
-            like = self.media.get(DEFAULT_MEDIUM) if key != DEFAULT_MEDIUM else None
-            m = self.media.setdefault(key, MediumGroups(self.bounds, like))
+            m = self.media.get(key)
+            if m is None:
+                like = self.media.get(DEFAULT_MEDIUM) if key != DEFAULT_MEDIUM else None
+                m = self.media[key] = MediumGroups(self.bounds, like, self.plan)
+                self.plan.apply()  # the stream's share split again, this medium included
         return m

@@ -174,6 +174,7 @@ class EngineTaps:
             thrash_seconds=config.thrash_seconds,
             max_tracked_blocks=config.max_tracked_blocks,
             regret_memory_blocks=config.regret_memory_blocks,
+            kv_memory_bytes=config.kv_memory_bytes,
             replay_timeout_seconds=config.replay_timeout_seconds,
             clock=clock,
             namer=TenantNamer(config.tenants, node_key),

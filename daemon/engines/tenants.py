@@ -194,19 +194,35 @@ class TenantNamer:
         return RESERVED[DEFAULT]
 
 
+def _seen_key(salt: str | None, lora: str | None) -> bytes:
+    """A fixed-size key for a (salt, adapter) pair: SHA-256 of both, each length-prefixed (None
+    apart from ""), so that no two pairs share one. A salt is chosen by an API client and may be
+    as long as a message: it is never kept, only this."""
+    h = hashlib.sha256()
+    for part in (salt, lora):
+        if part is None:
+            h.update(b"\xff")
+        else:
+            raw = part.encode("utf-8", "surrogatepass")
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+    return h.digest()
+
+
 class TenantBook:
-    """One stream's tenants: each name interned to a small tag (``RESERVED`` first)."""
+    """One stream's tenants: each name interned to a small tag (``RESERVED`` first). The pairs
+    already named are remembered by digest (at most 4 x MAX_TENANTS of 32 bytes each)."""
 
     def __init__(self, namer: TenantNamer) -> None:
         self.namer = namer
         self.names: list[str] = list(RESERVED)
         self._tags = {n: i for i, n in enumerate(RESERVED)}
-        self._seen: dict[tuple[str | None, str | None], int] = {}
+        self._seen: dict[bytes, int] = {}
         self.active = False  # a salt or an adapter seen: blocks are charged to tenants from now on
         self.overflow = 0  # distinct tenants past MAX_TENANTS, counted as other
 
     def tag(self, salt: str | None, lora: str | None) -> int:
-        key = (salt, lora)
+        key = _seen_key(salt, lora)
         t = self._seen.get(key)
         if t is not None:
             return t

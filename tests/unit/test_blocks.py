@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.config import EnginesConfig
-from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.hashmem import HashMemory
 from kvwatch.daemon.engines.views import REGRET_BUCKETS
 from kvwatch.daemon.lab import wire_encode as we
@@ -135,7 +135,7 @@ def test_hash_memory_across_generations_and_its_bound() -> None:
 
 
 def test_hash_memory_bytes_hashes_and_puts_again() -> None:
-    mem = HashMemory(64)  # seals every 4
+    mem = HashMemory(64)  # seals every 32
     blocks = [bytes([i]) * 32 for i in range(23)]
     mem.put(blocks, 1.0)
     mem.put(blocks[:3], 2.0)  # put again: the newest time answers
@@ -165,3 +165,18 @@ def test_real_run_regrets_need_the_default_memory() -> None:
     assert regretted(default.regret_memory_blocks) == (480, 0)
     small, forgotten = regretted(default.regret_memory_blocks // 4)
     assert small < 480 and forgotten > 0
+
+
+def test_removals_waiting_for_their_offload_are_bounded_by_the_groups_memory() -> None:
+    """A GPU group keeps at most a sixteenth of its store-time memory of removals waiting for the
+    tier below (each ~50 bytes): past it they are judged at once, not kept."""
+    cpu = MediumBlocks(1000, 1000)
+    cpu.store([1 << 50], 0.0, 16)  # the tier below has stored something: removals are judged
+    small, large = MediumBlocks(32_768, 0), MediumBlocks(1_000_000, 0)
+    blocks = list(range(1, 10_001))
+    for m in (small, large):
+        m.store(blocks, 1.0, 16)
+        m.remove(blocks, 1.0, 0.0, [cpu])  # none reached the tier below; the judgement waits 5 s
+    assert (small.dropped, large.dropped) == (10_000, 0)  # 10,000 > 32,768 / 16: judged at once
+    large.settle(1.0 + OFFLOAD_SETTLE_SECONDS, [cpu])
+    assert large.dropped == 10_000

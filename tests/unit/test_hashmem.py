@@ -56,3 +56,12 @@ def test_the_filter_holds_every_live_sealed_fingerprint() -> None:
     assert all(sealed._might_hold(fp) for fp in fps)
     others = [rng.getrandbits(64) for _ in range(20_000)]
     assert sum(sealed._might_hold(fp) for fp in others) < 0.06 * len(others)  # ~3 % expected
+
+
+def test_a_shrink_holds_the_new_capacity_at_once_and_counts_what_it_drops() -> None:
+    """The node's budget shrinks a memory when another stream needs its part: what it held
+    beyond the new capacity goes at once (even entries still in the open dict), each counted."""
+    mem = HashMemory(1_000_000)
+    mem.put_keys(list(range(1, 10_001)), 1.0)  # all in the open dict (it seals at 16,384)
+    mem.resize(1024)
+    assert len(mem) <= 1024 and mem.forgotten == 10_000 - len(mem)

@@ -4,8 +4,12 @@ per-tenant counts of a stream exact against an independent count of the same eve
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import stat
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,56 @@ def test_a_stream_interns_a_bounded_number_of_tenants() -> None:
     book = TenantBook(TenantNamer([], KEY))
     tags = {book.tag(f"s{i}", None) for i in range(MAX_TENANTS + 10)}
     assert len(book.names) == MAX_TENANTS and book.overflow == 13 and 2 in tags  # 3 reserved names
+
+
+@contextmanager
+def retained() -> Iterator[list[int]]:
+    """Bytes still allocated at the end of the block that were not at its start."""
+    out: list[int] = []
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        yield out
+        gc.collect()
+        out.append(tracemalloc.get_traced_memory()[0] - before)
+    finally:
+        tracemalloc.stop()
+
+
+def _salted(i: int, salt: str, lora: str | None = None) -> bytes:
+    """A request's first block, with its cache salt: a batch as vLLM 0.33 sends it."""
+    ev = we.stored([i], list(range(16)), extra_keys=[[salt]], lora_name=lora)
+    return we.encode_batch(we.Layout.V0_33, float(i), [ev], 0)
+
+
+def test_a_flood_of_distinct_large_salts_keeps_none_of_them() -> None:
+    """An API client chooses the salt (as long as a message): the stream keeps a digest of it."""
+    counts = StreamCounts((4096, 4096), 5.0, TenantNamer((), KEY))
+    counts.ingest(_salted(0, "warm-up"))  # the book, its first name, the decoder's shapes
+    n = 32
+    with retained() as grew:
+        for i in range(1, n + 1):
+            counts.ingest(_salted(i, f"{i:08d}" + "x" * (1 << 20)))  # 1 MiB each, each a new tenant
+    assert len(counts.book.names) == 3 + 1 + n  # every salt named
+    assert grew[0] < 256 << 10, f"{grew[0] / 2**20:.1f} MiB kept after {n} salts of 1 MiB"
+
+
+def test_the_book_tells_every_salt_and_adapter_pair_apart() -> None:
+    """Pairs are remembered by digest: no two pairs share one (a salt, an adapter, both, an
+    empty string, the same characters split differently), and a pair seen again keeps its tag."""
+    named: list[tuple[str | None, str | None]] = []
+
+    class Counting(TenantNamer):
+        def name(self, salt: str | None, lora: str | None) -> str:
+            named.append((salt, lora))
+            return super().name(salt, lora)
+
+    book = TenantBook(Counting([], KEY))
+    pairs = [("ab", "c"), ("a", "bc"), ("abc", None), (None, "abc"), ("", None), (None, ""), ("", "")]
+    tags = [book.tag(s, lo) for s, lo in pairs]
+    assert [book.names[t] for t in tags] == [TenantNamer([], KEY).name(s, lo) for s, lo in pairs]
+    assert [book.tag(s, lo) for s, lo in pairs] == tags and named == pairs  # named once each
 
 
 # --- per-tenant counts, exact against an independent count ------------------------------------------
