@@ -9,11 +9,24 @@ evicted) and which removed blocks the engine stored again (regretted evictions; 
 
 * a sequence number jumping ahead is a gap: those batches are asked for again on the
   replay endpoint when there is one; what the replay cannot serve is counted lost;
-* a sequence number going backwards is a publisher that restarted (its counter began
-  again): counted, and counting goes on — ZMQ reconnects a SUB by itself.
+* a sequence number going backwards, or implausibly far ahead, is a publisher that restarted
+  (its counter began again) if the stream goes on from it, else one stray batch
+  (``kv_sequence.py``); ZMQ reconnects a SUB by itself.
 
 The agent's loop reads immutable ``StreamStats`` copies; nothing here raises into it.
-Every malformed message is counted by kind and dropped.
+Every malformed message is counted by kind and dropped, one message at a time: whatever one
+message raises is counted (``internal``) and the next one counts. The hub's own failures
+(a socket it cannot open, a replay it cannot send, a message it fails on) go to the agent's
+``ErrorBook`` as ``kv_events_<reason>``: ``kvwatch_errors_total``.
+
+Memory: ZMQ queues a stream's messages in kvwatch's process up to QUEUE_MESSAGES (the SUB's and
+the replay DEALER's receive high-water mark), each frame up to MAX_MESSAGE_BYTES (a larger one
+disconnects its peer; the batch shows as a gap). A full queue makes libzmq stop reading the
+connection: the publisher keeps what follows (vLLM's PUB up to its own high-water mark, then it
+drops: gaps, replayed or counted lost). The hub takes one message at a time, at most
+DRAIN_BYTES_PER_WAKEUP before it looks at its other sockets; a message's decoding is bounded by
+``wire.py``. libzmq bounds neither the frames of one message nor its parts before the last
+arrives: a publisher that never ends a multipart message is not bounded by these.
 """
 
 from __future__ import annotations
@@ -26,22 +39,28 @@ from dataclasses import dataclass
 
 import structlog
 import zmq
+from kvwatch.daemon.engines.kv_sequence import MAX_JUMP, Ranges, StreamSequence
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
-from kvwatch.daemon.engines.wire import WireError, parse_frames, parse_replay, replay_request
+from kvwatch.daemon.engines.wire import Frame, WireError, parse_frames, parse_replay, replay_request
+from kvwatch.daemon.logs import ErrorBook
 from zmq.utils.monitor import recv_monitor_message
 
 log = structlog.get_logger("kvwatch.kv_events")
 
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 16 << 20  # a frame; vLLM's largest batch carries a step's token ids: ~3M tokens' worth
+QUEUE_MESSAGES = 4  # per socket: RCVHWM x MAX_MESSAGE_BYTES is what ZMQ may hold of one stream's 1-frame messages
 DRAIN_PER_WAKEUP = 2000
+DRAIN_BYTES_PER_WAKEUP = 64 << 20
+
+Payload = Frame
 
 
 @dataclass(slots=True)
 class _Replay:
     start: int
-    covers: frozenset[int]
+    covers: Ranges
     sent_at: float
 
 
@@ -55,11 +74,12 @@ class _Stream:
         thrash_seconds: float,
         *,
         namer: TenantNamer | None = None,
+        seq: StreamSequence[Payload],
     ) -> None:
         self.spec = spec
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, 100_000)
+        self.sub.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
         self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         self.sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
@@ -68,9 +88,8 @@ class _Stream:
         self.dealer: zmq.Socket[bytes] | None = None
         self.counts = StreamCounts(bounds, thrash_seconds, namer)
         self.connected = False
-        self.expected: int | None = None
-        self.gaps = self.missed = self.replayed = self.lost = self.restarts = self.replay_requests = 0
-        self.missing: set[int] = set()
+        self.seq = seq
+        self.replay_requests = 0
         self.pending: _Replay | None = None
         self.last_at = now
 
@@ -82,16 +101,18 @@ class _Stream:
                 s.close(0)
 
     def stats(self) -> StreamStats:
+        q = self.seq
         return self.counts.stats(
             spec=self.spec,
             connected=self.connected,
-            gaps=self.gaps,
-            missed=self.missed,
-            replayed=self.replayed,
-            lost=self.lost,
-            restarts=self.restarts,
+            gaps=q.gaps,
+            missed=q.missed,
+            replayed=q.replayed,
+            lost=q.lost,
+            abandoned=q.abandoned,
+            restarts=q.restarts,
             replay_requests=self.replay_requests,
-            last_seq=None if self.expected is None else self.expected - 1,
+            last_seq=None if q.expected is None else q.expected - 1,
             last_message_at=self.last_at,
         )
 
@@ -107,15 +128,19 @@ class KVEventHub:
         regret_memory_blocks: int = 524_288,
         replay_timeout_seconds: float = 2.0,
         max_replay_batches: int = 10_000,
+        max_sequence_jump: int = MAX_JUMP,
         clock: Callable[[], float] = time.monotonic,
         namer: TenantNamer | None = None,
+        errors: ErrorBook | None = None,
     ) -> None:
         self.thrash_seconds = thrash_seconds
         self.namer = namer
         self.bounds = (max_tracked_blocks, regret_memory_blocks)
         self.replay_timeout = replay_timeout_seconds
         self.max_replay = max_replay_batches
+        self.max_jump = max_sequence_jump
         self.clock = clock
+        self.errors = errors  # where the hub's own failures are counted (and logged once)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._lock = threading.Lock()
         self._wanted: frozenset[StreamSpec] = frozenset()
@@ -126,7 +151,8 @@ class KVEventHub:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set_streams / close: the idle hub looks again
         self._thread: threading.Thread | None = None
-        self.failures: dict[str, int] = {}  # stream set-up failures by reason
+        self.failures: dict[str, int] = {}  # the hub's own failures by reason (also in ``errors``)
+        self._failures_lock = threading.Lock()
 
     # --- the agent's side -----------------------------------------------------------------
     def start(self) -> None:
@@ -162,7 +188,7 @@ class KVEventHub:
             try:
                 self.run_once(100)
             except Exception as err:  # the thread must outlive anything a peer sends
-                self._fail("hub_error", err)
+                self._fail("hub_error", err, detail=False)
                 self._stop.wait(0.1)
 
     def run_once(self, timeout_ms: int) -> None:
@@ -192,11 +218,22 @@ class KVEventHub:
                 with self._lock:
                     self._finish_replay(st, now)
 
-    def _fail(self, reason: str, err: BaseException) -> None:
-        n = self.failures.get(reason, 0)
-        self.failures[reason] = n + 1
-        if n == 0:
-            log.warning("kv event subscriber problem", reason=reason, error=str(err))
+    def failure_counts(self) -> dict[str, int]:
+        with self._failures_lock:
+            return dict(self.failures)
+
+    def _fail(self, reason: str, err: BaseException, *, detail: bool = True) -> None:
+        """Count (and log once) one of the hub's own failures. ``detail``: the error's text may
+        be logged (a socket's); else only its type (an error raised on a peer's message may
+        quote what it carried)."""
+        with self._failures_lock:
+            n = self.failures.get(reason, 0)
+            self.failures[reason] = n + 1
+        error = f"{type(err).__name__}: {err}" if detail else type(err).__name__
+        if self.errors is not None:
+            self.errors.record(f"kv_events_{reason}", "kv event subscriber problem", level="warning", error=error)
+        elif n == 0:
+            log.warning("kv event subscriber problem", reason=reason, error=error)
 
     def _apply(self) -> None:
         with self._lock:
@@ -209,8 +246,11 @@ class KVEventHub:
                         self._by_socket.pop(sock, None)
                 st.close()
             for spec in wanted - self._streams.keys():
+                seq: StreamSequence[Payload] = StreamSequence(spec.replay is not None, self.max_replay, self.max_jump)
                 try:
-                    st = _Stream(spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds, namer=self.namer)
+                    st = _Stream(
+                        spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds, namer=self.namer, seq=seq
+                    )
                 except zmq.ZMQError as err:
                     self._fail("connect", err)
                     continue
@@ -235,94 +275,97 @@ class KVEventHub:
                     st.connected = False
 
     def _drain(self, st: _Stream, now: float) -> None:
-        msgs: list[list[bytes]] = []
+        """One message at a time (each one's failure is its own), within the wakeup's bounds."""
+        taken = 0
         for _ in range(DRAIN_PER_WAKEUP):
             try:
-                msgs.append(st.sub.recv_multipart(zmq.NOBLOCK))
+                frames = st.sub.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-        with self._lock:
-            st.last_at = now
-            for frames in msgs:
+            taken += sum(len(f) for f in frames)
+            with self._lock:
+                st.last_at = now
                 try:
-                    _topic, seq, payload = parse_frames(frames)
-                except WireError as err:
-                    st.counts.error(err.kind)
-                    continue
-                self._sequence(st, seq, now)
-                st.counts.ingest(payload)
+                    self._take(st, [f.buffer for f in frames], now)
+                except Exception as err:  # the last line of defence: that message only
+                    st.counts.error("internal")
+                    self._fail("internal", err, detail=False)
+            if taken >= DRAIN_BYTES_PER_WAKEUP:
+                break
 
-    def _sequence(self, st: _Stream, seq: int, now: float) -> None:
-        exp = st.expected
-        if exp is not None and seq != exp:
-            if seq > exp:
-                st.gaps += 1
-                st.missed += seq - exp
-                self._ask_replay(st, exp, seq, now)
-            else:  # the counter began again: a new publisher (engine restart)
-                st.restarts += 1
-                st.missing.clear()
-                st.pending = None
-                st.counts.restart()
-        st.expected = seq + 1
-
-    # --- replay -----------------------------------------------------------------------------------
-    def _ask_replay(self, st: _Stream, lo: int, hi: int, now: float) -> None:
-        if st.spec.replay is None or hi - lo > self.max_replay:
-            st.lost += hi - lo
+    def _take(self, st: _Stream, frames: list[Payload], now: float) -> None:
+        try:
+            _topic, seq, payload = parse_frames(frames)
+        except WireError as err:
+            st.counts.error(err.kind)
             return
-        st.missing.update(range(lo, hi))
-        if st.pending is None:
+        v = st.seq.live(seq, payload)
+        if v.restart:  # a new publisher: its hashes need not mean what they meant
+            st.pending = None
+            st.counts.restart()
+        if v.strays:
+            st.counts.error("sequence", v.strays)
+        for p in v.payloads:
+            st.counts.ingest(p)
+        if v.ask and st.pending is None:
             self._send_replay(st, now)
 
+    # --- replay -----------------------------------------------------------------------------------
     def _send_replay(self, st: _Stream, now: float) -> None:
         if st.dealer is None:
             try:
                 d = self._ctx.socket(zmq.DEALER)
                 d.setsockopt(zmq.LINGER, 0)
+                d.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
                 d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
                 d.connect(st.spec.replay or "")
             except zmq.ZMQError as err:
                 self._fail("replay_connect", err)
-                st.lost += len(st.missing)
-                st.missing.clear()
+                st.seq.lose_missing()
                 return
             st.dealer = d
             self._poller.register(d, zmq.POLLIN)
             self._by_socket[d] = st
-        start = min(st.missing)
+        start = st.seq.missing.first()
         try:
             st.dealer.send_multipart(replay_request(start), zmq.NOBLOCK)
         except zmq.ZMQError as err:
             self._fail("replay_send", err)
-            st.lost += len(st.missing)
-            st.missing.clear()
+            st.seq.lose_missing()
             return
         st.replay_requests += 1
-        st.pending = _Replay(start, frozenset(st.missing), now)
+        st.pending = _Replay(start, st.seq.missing.snapshot(), now)
 
     def _drain_replay(self, st: _Stream, now: float) -> None:
         dealer = st.dealer
         if dealer is None:
             return
-        with self._lock:
-            for _ in range(DRAIN_PER_WAKEUP):
+        taken = 0
+        for _ in range(DRAIN_PER_WAKEUP):
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            taken += sum(len(f) for f in frames)
+            with self._lock:
                 try:
-                    frames = dealer.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    seq, payload = parse_replay(frames)
-                except WireError as err:
-                    st.counts.error(err.kind)
-                    continue
-                if seq < 0:
-                    self._finish_replay(st, now)
-                    continue
-                if seq in st.missing:
-                    st.missing.discard(seq)
-                    st.replayed += 1
-                    st.counts.ingest(payload)
+                    self._take_replayed(st, [f.buffer for f in frames], now)
+                except Exception as err:  # the last line of defence: that message only
+                    st.counts.error("internal")
+                    self._fail("internal", err, detail=False)
+            if taken >= DRAIN_BYTES_PER_WAKEUP:
+                break
+
+    def _take_replayed(self, st: _Stream, frames: list[Payload], now: float) -> None:
+        try:
+            seq, payload = parse_replay(frames)
+        except WireError as err:
+            st.counts.error(err.kind)
+            return
+        if seq < 0:
+            self._finish_replay(st, now)
+        elif st.seq.replayed_one(seq):
+            st.counts.ingest(payload, newest=False)
 
     def _finish_replay(self, st: _Stream, now: float) -> None:
         """End marker (or timeout): what the request covered and did not bring is lost."""
@@ -330,8 +373,6 @@ class KVEventHub:
         st.pending = None
         if p is None:
             return
-        gone = p.covers & st.missing
-        st.lost += len(gone)
-        st.missing -= gone
-        if st.missing:
+        st.seq.settle(p.covers)
+        if st.seq.missing:
             self._send_replay(st, now)
