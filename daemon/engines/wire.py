@@ -35,18 +35,19 @@ a longer one event by event, the batch's hashes summed as they come, so that at 
 MAX_BATCH_HASHES hashes and MAX_BATCH_EVENTS events exist at once. An event's ``token_ids`` are
 never decoded, its ``extra_keys`` are read within their own bound (``block_keys.py``).
 
-The caps are far past what vLLM sends: a batch is one engine step's events; a BlockStored names
-one request's new blocks in one KV cache group (a 1M-token prompt at block size 16 is 65,536
-blocks: MAX_EVENT_HASHES is twice that); a BlockRemoved names one evicted block (vLLM 0.9 to
-0.33), so a step that allocates N blocks sends at most N of them; MAX_BATCH_HASHES is 16M tokens
-of blocks of 16 in one step. vLLM's hashes are 64-bit ints or 32-byte digests.
+The caps (``wire_structs.py``, MAX_BATCH_HASHES here) are far past what vLLM sends: a batch is
+one engine step's events; a BlockStored names one request's new blocks in one KV cache group (a
+1M-token prompt at block size 16 is 65,536 blocks: MAX_EVENT_HASHES is twice that); a
+BlockRemoved names one evicted block (vLLM 0.9 to 0.33), so a step that allocates N blocks sends
+at most N of them; MAX_BATCH_HASHES is 16M tokens of blocks of 16 in one step. vLLM's hashes are
+64-bit ints or 32-byte digests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from kvwatch.daemon.engines.block_keys import (
@@ -60,24 +61,54 @@ from kvwatch.daemon.engines.block_keys import (
     block_keys,
     extra_keys,
 )
+from kvwatch.daemon.engines.wire_structs import (
+    CLEARED,
+    MAX_BATCH_EVENTS,
+    MAX_EVENT_HASHES,
+    MAX_HASH_BYTES,
+    REMOVED,
+    ABatchA,
+    ABatchM,
+    ABatchRaw,
+    ACleared,
+    AEvent,
+    ARemoved,
+    AStored,
+    LEvent,
+    LRemoved,
+    LStored,
+    MBatchA,
+    MBatchM,
+    MBatchRaw,
+    MCleared,
+    MEvent,
+    MRemoved,
+    MStored,
+    WireHash,
+)
 
-__all__ = ["NO_EXTRA_KEYS", "BlockKeys", "ExtraKeys", "extra_keys"]
+__all__ = [
+    "CLEARED",
+    "MAX_BATCH_EVENTS",
+    "MAX_EVENT_HASHES",
+    "MAX_HASH_BYTES",
+    "NO_EXTRA_KEYS",
+    "REMOVED",
+    "BlockKeys",
+    "ExtraKeys",
+    "extra_keys",
+]
 
 END_SEQ = -1
 SEQ_BYTES = 8
 
-MAX_EVENT_HASHES = 1 << 17
 MAX_BATCH_HASHES = 1 << 20
-MAX_BATCH_EVENTS = 1 << 18
-MAX_HASH_BYTES = 64
 MAX_BLOCK_SIZE = 1 << 24  # tokens: a Mamba group's block can span a whole context
 MAX_TS = float(1 << 32)  # seconds since the epoch (year 2106); tests and simulators count from 0
 FAST_PAYLOAD_BYTES = 1 << 20
 
 Hash = int | bytes
-_WireHash = int | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
-_Hashes = Annotated[list[_WireHash], msgspec.Meta(max_length=MAX_EVENT_HASHES)]
-_PARENT = msgspec.msgpack.Decoder(_WireHash | None)
+_PARENT = msgspec.msgpack.Decoder(WireHash | None)
 
 
 class WireError(ValueError):
@@ -93,124 +124,6 @@ def _rejected(err: msgspec.ValidationError | msgspec.DecodeError) -> WireError:
     """A constraint's error is ``size`` (an array or a hash longer than its cap), else ``payload``."""
     text = str(err)
     return WireError("size" if "length <=" in text else "payload", text)
-
-
-# --- decoding structs (ours): only what kvwatch uses is materialised ----------------------------
-# Fields that describe a block rather than count it (its KV cache group, the group's attention
-# kind, LoRA and extra keys, where the tier lives) are typed leniently at a second try: a newer
-# release that changes one of their types loses that description, never the blocks (counted).
-# ``parent_block_hash`` and ``extra_keys`` stay raw msgpack here and are read once the batch has
-# decoded (``Decoder._stored``); ``token_ids`` and ``lora_id`` are never read.
-
-
-class _AStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: _Hashes
-    parent_block_hash: msgspec.Raw
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: msgspec.Raw
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: msgspec.Raw = NIL
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: _Hashes
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-class _MStored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: _Hashes
-    parent_block_hash: msgspec.Raw = NIL
-    block_size: int = 0
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: msgspec.Raw = NIL  # per block: None, or that block's keys (``block_keys.py``)
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class _MRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: _Hashes
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class _MCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-class _LStored(msgspec.Struct, tag="BlockStored", gc=False):
-    """The lenient second try of a map event: what counts it, nothing that describes it."""
-
-    block_hashes: _Hashes
-    parent_block_hash: msgspec.Raw = NIL
-    medium: str | None = None
-
-
-class _LRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: _Hashes
-    medium: str | None = None
-
-
-_AEvent = _AStored | _ARemoved | _ACleared
-_MEvent = _MStored | _MRemoved | _MCleared
-_LEvent = _LStored | _LRemoved | _MCleared
-_AEvents = Annotated[list[_AEvent], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
-_MEvents = Annotated[list[_MEvent], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
-_RawEvents = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
-
-REMOVED = (_ARemoved, _MRemoved)
-CLEARED = (_ACleared, _MCleared)
-
-
-class _ABatchA(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: _AEvents
-    data_parallel_rank: int | None = None
-
-
-class _ABatchM(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: _MEvents
-    data_parallel_rank: int | None = None
-
-
-class _MBatchA(msgspec.Struct, gc=False):
-    ts: float
-    events: _AEvents
-    data_parallel_rank: int | None = None
-
-
-class _MBatchM(msgspec.Struct, gc=False):
-    ts: float
-    events: _MEvents
-    data_parallel_rank: int | None = None
-
-
-class _ABatchRaw(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: _RawEvents
-    data_parallel_rank: int | None = None
-
-
-class _MBatchRaw(msgspec.Struct, gc=False):
-    ts: float
-    events: _RawEvents
-    data_parallel_rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -231,8 +144,8 @@ class Stored:
 
 
 STORED = (Stored,)
-Event = Stored | _ARemoved | _MRemoved | _ACleared | _MCleared
-_WireEvent = _AStored | _MStored | _ARemoved | _MRemoved | _ACleared | _MCleared
+Event = Stored | ARemoved | MRemoved | ACleared | MCleared
+_WireEvent = AStored | MStored | ARemoved | MRemoved | ACleared | MCleared
 
 
 @dataclass(slots=True)
@@ -261,14 +174,14 @@ class Decoder:
     def __init__(self) -> None:
         d = msgspec.msgpack.Decoder
         self._typed: dict[tuple[bool, bool], msgspec.msgpack.Decoder[Any]] = {
-            (True, True): d(_ABatchA),
-            (True, False): d(_ABatchM),
-            (False, True): d(_MBatchA),
-            (False, False): d(_MBatchM),
+            (True, True): d(ABatchA),
+            (True, False): d(ABatchM),
+            (False, True): d(MBatchA),
+            (False, False): d(MBatchM),
         }
-        self._raw: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(_ABatchRaw), False: d(_MBatchRaw)}
-        self._event: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(_AEvent), False: d(_MEvent)}
-        self._lenient = d(_LEvent)
+        self._raw: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(ABatchRaw), False: d(MBatchRaw)}
+        self._event: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: d(AEvent), False: d(MEvent)}
+        self._lenient = d(LEvent)
         self._array_events = True  # the shape of the last batch that decoded
 
     def decode(self, payload: bytes | memoryview) -> Batch:
@@ -347,10 +260,10 @@ class Decoder:
             ev = self._lenient.decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError):
             return None
-        if isinstance(ev, _LStored):
-            return _MStored(ev.block_hashes, ev.parent_block_hash, medium=ev.medium)
-        if isinstance(ev, _LRemoved):
-            return _MRemoved(ev.block_hashes, ev.medium)
+        if isinstance(ev, LStored):
+            return MStored(ev.block_hashes, ev.parent_block_hash, medium=ev.medium)
+        if isinstance(ev, LRemoved):
+            return MRemoved(ev.block_hashes, ev.medium)
         return None
 
     def _checked(self, b: _Decoded) -> Batch:
@@ -361,7 +274,7 @@ class Decoder:
         events: list[Event] = []
         hashes = undescribed = 0
         for ev in b.events:
-            if isinstance(ev, _AStored | _MStored):
+            if isinstance(ev, AStored | MStored):
                 if not 0 <= ev.block_size <= MAX_BLOCK_SIZE:
                     raise WireError("block_size", f"block_size outside 0..{MAX_BLOCK_SIZE}")
                 st, readable = _stored(ev)
@@ -377,7 +290,7 @@ class Decoder:
         return Batch(b.ts, events, b.data_parallel_rank, b.skipped, b.undescribed + undescribed)
 
 
-def _stored(ev: _AStored | _MStored) -> tuple[Stored, bool]:
+def _stored(ev: AStored | MStored) -> tuple[Stored, bool]:
     """The checked record of a BlockStored, and whether its parent and extra keys were readable."""
     readable = True
     has_parent = ev.parent_block_hash != NIL
