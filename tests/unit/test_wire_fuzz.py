@@ -68,34 +68,52 @@ def nested(depth: int) -> msgspec.Raw:
     return msgspec.Raw(b"\x91" * depth + b"\xc0")
 
 
+Events = list[dict[str, Any]]
+
+
+def _timestamp(draw: st.DrawFn, layout: we.Layout, ts: float, events: Events, base: int) -> bytes:
+    bad_ts = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 2.0**33]))
+    return we.encode_batch(layout, bad_ts, events, 0)
+
+
+def _block_size(draw: st.DrawFn, layout: we.Layout, ts: float, events: Events, base: int) -> bytes:
+    size = draw(st.sampled_from([-1, -(2**63), (1 << 24) + 1, 2**63 - 1]))
+    return we.encode_batch(layout, ts, [*events, we.stored([base * 100 + 99], [], block_size=size)], 0)
+
+
+def _size(draw: st.DrawFn, layout: we.Layout, ts: float, events: Events, base: int) -> bytes:
+    """A hash longer than any engine's (vLLM's are 64-bit ints or 32-byte digests)."""
+    return we.encode_batch(layout, ts, [*events, we.removed([bytes(draw(st.integers(65, 300)))])], 0)
+
+
+def _nesting(draw: st.DrawFn, layout: we.Layout, ts: float, events: Events, base: int) -> bytes:
+    depth = draw(st.integers(50_000, 200_000))  # past any recursion limit (hypothesis raises it to ~2,000)
+    if layout in MAP_LAYOUTS and draw(st.booleans()):
+        deep = we.stored([base * 100 + 98], [], extra_keys=[nested(depth)])
+        return we.encode_batch(layout, ts, [*events, deep], 0)
+    return msgspec.msgpack.encode([ts, [nested(depth)], 0])
+
+
+def _payload(draw: st.DrawFn, layout: we.Layout, ts: float, events: Events, base: int) -> bytes:
+    good = we.encode_batch(layout, ts, events, 0)
+    if draw(st.booleans()):
+        return good[: draw(st.integers(0, len(good) - 1))]  # a proper prefix
+    return draw(st.sampled_from([b"\xc1", b"\x00", b"\xa3abc"])) + good
+
+
+BAD = {"timestamp": _timestamp, "block_size": _block_size, "size": _size, "nesting": _nesting, "payload": _payload}
+
+
 @st.composite
 def slot(draw: st.DrawFn, base: int) -> Slot:
+    """A good batch, or one made bad from it for a known reason."""
     layout = draw(st.sampled_from(list(we.Layout)))
     events = draw(good_events(base, layout))
     ts = draw(st.floats(0.0, 1e6))
-    kind = draw(st.sampled_from([None, None, "payload", "nesting", "timestamp", "block_size", "size"]))
+    kind = draw(st.sampled_from([None, None, *BAD]))
     if kind is None:
         return Slot(we.encode_batch(layout, ts, events, 0), None)
-    if kind == "timestamp":
-        bad_ts = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 2.0**33]))
-        return Slot(we.encode_batch(layout, bad_ts, events, 0), kind)
-    if kind == "block_size":
-        size = draw(st.sampled_from([-1, -(2**63), (1 << 24) + 1, 2**63 - 1]))
-        events = [*events, we.stored([base * 100 + 99], [], block_size=size)]
-        return Slot(we.encode_batch(layout, ts, events, 0), kind)
-    if kind == "size":  # a hash longer than any engine's (vLLM's are 64-bit ints or 32-byte digests)
-        events = [*events, we.removed([bytes(draw(st.integers(65, 300)))])]
-        return Slot(we.encode_batch(layout, ts, events, 0), kind)
-    if kind == "nesting":
-        depth = draw(st.integers(50_000, 200_000))  # past any recursion limit (hypothesis raises it to ~2,000)
-        if layout in MAP_LAYOUTS and draw(st.booleans()):
-            events = [*events, we.stored([base * 100 + 98], [], extra_keys=[nested(depth)])]
-            return Slot(we.encode_batch(layout, ts, events, 0), kind)
-        return Slot(msgspec.msgpack.encode([ts, [nested(depth)], 0]), kind)
-    good = we.encode_batch(layout, ts, events, 0)
-    if draw(st.booleans()):
-        return Slot(good[: draw(st.integers(0, len(good) - 1))], kind)  # a proper prefix
-    return Slot(draw(st.sampled_from([b"\xc1", b"\x00", b"\xa3abc"])) + good, kind)
+    return Slot(BAD[kind](draw, layout, ts, events, base), kind)
 
 
 @st.composite
@@ -194,8 +212,8 @@ def messages(draw: st.DrawFn) -> tuple[list[list[bytes]], Counter[str], int]:
     """Good messages numbered in order, bad ones between them: (frames, reasons, good count)."""
     out: list[list[bytes]] = []
     reasons: Counter[str] = Counter()
-    seq = good = 0
-    for s in draw(streams()):
+    good = 0
+    for seq, s in enumerate(draw(streams())):
         bad = draw(st.sampled_from([None, None, "frames", "sequence"]))
         if bad == "frames":
             out.append(draw(st.lists(st.binary(max_size=10), max_size=5).filter(lambda f: len(f) != 3)))
@@ -204,7 +222,6 @@ def messages(draw: st.DrawFn) -> tuple[list[list[bytes]], Counter[str], int]:
             out.append([b"", bytes(draw(st.sampled_from([0, 1, 7, 9]))), s.payload])
             reasons["sequence"] += 1
         out.append([b"", seq.to_bytes(8, "big"), s.payload])  # a bad payload still takes its number
-        seq += 1
         if s.kind is None:
             good += 1
         else:
