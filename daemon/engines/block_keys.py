@@ -7,9 +7,9 @@ digest per prompt-embeddings span (``vllm/v1/core/kv_cache_utils.py``,
 
 The field is kept as the raw msgpack it came as and read here, never decoded into Python
 objects as a whole: an entry's items may be any msgpack value, and a list of a million empty
-lists is a few bytes on the wire each but 64 bytes in memory each. So: at most one entry per
-block (MAX_ENTRIES), at most MAX_ITEMS items an entry, each item looked at only for its kind
-(a string is decoded, a pair or a digest only counted), the entries read one at a time.
+lists is a byte on the wire each but 64 bytes in memory each. So: at most one entry per block
+(the array's header is read first), at most MAX_ITEMS items an entry, each item looked at only
+for its kind (a string is decoded, a pair or a digest only counted), the entries one at a time.
 
 The salt is a tenant's secret (it isolates its prefix cache): it is kept out of ``repr`` and
 must never reach a metric, a log line or a trace.
@@ -23,7 +23,7 @@ from typing import Annotated
 import msgspec
 
 NIL = msgspec.Raw(b"\xc0")  # msgpack nil
-MAX_ENTRIES = 1 << 17  # one per block: as many as an event's hashes (wire.MAX_EVENT_HASHES)
+MAX_ENTRIES = 1 << 17  # one per block: as many as an event's hashes (wire_structs.MAX_EVENT_HASHES)
 MAX_ITEMS = 64  # an entry: LoRA name, salt, and the multimodal inputs and embedding spans of one block
 
 # msgpack type bytes: fixarray, array16, array32 / fixstr, str8, str16, str32 / bin8, bin16, bin32
@@ -87,12 +87,27 @@ _ITEMS = msgspec.msgpack.Decoder(Annotated[list[msgspec.Raw], msgspec.Meta(max_l
 _STR = msgspec.msgpack.Decoder(str)
 
 
-def block_keys(raw: msgspec.Raw, lora_name: str | None) -> BlockKeys | None:
-    """The event's ``extra_keys`` (raw msgpack); None where no block has any. Raises
-    ``Unreadable`` for a field that is not a list of at most MAX_ENTRIES entries, an entry of
-    more than MAX_ITEMS items or one with a string of invalid UTF-8."""
+def _entries(raw: msgspec.Raw) -> int | None:
+    """How many items the msgpack array ``raw`` says it holds (its header); None: not an array."""
+    data = memoryview(raw)
+    head = data[0] if data else 0
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head in (0xDC, 0xDD) and len(data) >= (3 if head == 0xDC else 5):
+        return int.from_bytes(data[1 : 3 if head == 0xDC else 5], "big")
+    return None
+
+
+def block_keys(raw: msgspec.Raw, lora_name: str | None, blocks: int) -> BlockKeys | None:
+    """The event's ``extra_keys`` (raw msgpack) for its ``blocks`` blocks; None where no block has
+    any. Raises ``Unreadable`` for a field that is not a list of at most one entry per block, an
+    entry of more than MAX_ITEMS items or one with a string of invalid UTF-8: so that reading a
+    batch's keys costs at most one entry per hash it carries (the hashes are capped)."""
     if raw == NIL:
         return None
+    n = _entries(raw)
+    if n is None or n > blocks:
+        raise Unreadable(f"extra_keys of {n} entries for {blocks} blocks")
     try:
         _NONE.decode(raw)  # vLLM's common case: a list of None, one per block
     except msgspec.ValidationError:

@@ -105,7 +105,7 @@ SEQ_BYTES = 8
 MAX_BATCH_HASHES = 1 << 20
 MAX_BLOCK_SIZE = 1 << 24  # tokens: a Mamba group's block can span a whole context
 MAX_TS = float(1 << 32)  # seconds since the epoch (year 2106); tests and simulators count from 0
-FAST_PAYLOAD_BYTES = 1 << 20
+FAST_PAYLOAD_BYTES = 1 << 20  # at most MAX_BATCH_HASHES: a payload this short cannot carry more hashes
 
 Hash = int | bytes
 _PARENT = msgspec.msgpack.Decoder(WireHash | None)
@@ -126,9 +126,8 @@ def _rejected(err: msgspec.ValidationError | msgspec.DecodeError) -> WireError:
     return WireError("size" if "length <=" in text else "payload", text)
 
 
-@dataclass(slots=True)
-class Stored:
-    """A BlockStored as the accounting reads it, every field checked."""
+class Stored(msgspec.Struct, gc=False):
+    """A BlockStored as the accounting reads it, every field checked (built here, never decoded)."""
 
     block_hashes: list[Hash]
     parent: Hash | None  # the parent block's hash, where there is one kvwatch can read
@@ -141,6 +140,7 @@ class Stored:
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
+    described: bool = True  # False: its parent or extra keys could not be read (counted as field)
 
 
 STORED = (Stored,)
@@ -268,43 +268,38 @@ class Decoder:
 
     def _checked(self, b: _Decoded) -> Batch:
         """Refuse a batch any of whose values would corrupt a counter; read every stored event's
-        parent and extra keys (an unreadable one loses that description, counted)."""
+        parent and extra keys (an unreadable one loses that description, counted). The batch's
+        hashes are within their cap already: a payload decoded whole is too short to hold more
+        (each takes a byte at least), a longer one was summed event by event."""
         if not 0.0 <= b.ts <= MAX_TS:  # NaN too
             raise WireError("timestamp", "batch timestamp not finite, negative or past 2106")
-        events: list[Event] = []
-        hashes = undescribed = 0
-        for ev in b.events:
-            if isinstance(ev, AStored | MStored):
-                if not 0 <= ev.block_size <= MAX_BLOCK_SIZE:
-                    raise WireError("block_size", f"block_size outside 0..{MAX_BLOCK_SIZE}")
-                st, readable = _stored(ev)
-                undescribed += not readable
-                events.append(st)
-                hashes += len(st.block_hashes)
-            else:
-                events.append(ev)
-                if not isinstance(ev, CLEARED):
-                    hashes += len(ev.block_hashes)
-        if hashes > MAX_BATCH_HASHES:
-            raise WireError("size", f"more than {MAX_BATCH_HASHES} block hashes in one batch")
+        events: list[Event] = [_stored(ev) if isinstance(ev, _WIRE_STORED) else ev for ev in b.events]
+        undescribed = sum(1 for ev in events if isinstance(ev, Stored) and not ev.described)
         return Batch(b.ts, events, b.data_parallel_rank, b.skipped, b.undescribed + undescribed)
 
 
-def _stored(ev: AStored | MStored) -> tuple[Stored, bool]:
-    """The checked record of a BlockStored, and whether its parent and extra keys were readable."""
-    readable = True
+_WIRE_STORED = (AStored, MStored)
+
+
+def _stored(ev: AStored | MStored) -> Stored:
+    """The checked record of a BlockStored."""
+    if not 0 <= ev.block_size <= MAX_BLOCK_SIZE:
+        raise WireError("block_size", f"block_size outside 0..{MAX_BLOCK_SIZE}")
+    described = True
     has_parent = ev.parent_block_hash != NIL
     parent: Hash | None = None
     if has_parent:
         try:
             parent = _PARENT.decode(ev.parent_block_hash)
         except (msgspec.ValidationError, msgspec.DecodeError):
-            readable = False
-    try:
-        keys = block_keys(ev.extra_keys, ev.lora_name)
-    except Unreadable:
-        keys, readable = None, False
-    st = Stored(
+            described = False
+    keys = None
+    if ev.extra_keys != NIL:
+        try:
+            keys = block_keys(ev.extra_keys, ev.lora_name, len(ev.block_hashes))
+        except Unreadable:
+            described = False
+    return Stored(
         ev.block_hashes,
         parent,
         has_parent,
@@ -316,8 +311,8 @@ def _stored(ev: AStored | MStored) -> tuple[Stored, bool]:
         ev.kv_cache_spec_kind,
         ev.kv_cache_spec_sliding_window,
         ev.locality,
+        described,
     )
-    return st, readable
 
 
 Frame = bytes | memoryview
