@@ -1,8 +1,8 @@
 """Subscriber to vLLM's KV event streams: one ZMQ SUB per endpoint (one per data-parallel rank).
 
 One thread (the hub) owns every socket: SUBs for the streams, their socket monitors
-(connected or not), and DEALERs for the replay endpoints. It decodes each batch
-(``kv_wire``), counts stored / removed blocks per medium, measures how long a removed
+(connected or not), and DEALERs for the replay endpoints (``kv_stream.py``). It decodes each
+batch (``wire.py``), counts stored / removed blocks per medium, measures how long a removed
 block had been stored (the engine's own timestamps: "young" removals are hot blocks
 evicted) and which removed blocks the engine stored again (regretted evictions; both in
 ``blocks.py``), and keeps the sequence honest:
@@ -19,102 +19,35 @@ message raises is counted (``internal``) and the next one counts. The hub's own 
 (a socket it cannot open, a replay it cannot send, a message it fails on) go to the agent's
 ``ErrorBook`` as ``kv_events_<reason>``: ``kvwatch_errors_total``.
 
-Memory: ZMQ queues a stream's messages in kvwatch's process up to QUEUE_MESSAGES (the SUB's and
-the replay DEALER's receive high-water mark), each frame up to MAX_MESSAGE_BYTES (a larger one
-disconnects its peer; the batch shows as a gap). A full queue makes libzmq stop reading the
-connection: the publisher keeps what follows (vLLM's PUB up to its own high-water mark, then it
-drops: gaps, replayed or counted lost). The hub takes one message at a time, at most
-DRAIN_BYTES_PER_WAKEUP before it looks at its other sockets; a message's decoding is bounded by
-``wire.py``. libzmq bounds neither the frames of one message nor its parts before the last
-arrives: a publisher that never ends a multipart message is not bounded by these.
+Memory: the hub takes one message at a time, never copied out of ZMQ, at most
+DRAIN_BYTES_PER_WAKEUP before it looks at its other sockets. What ZMQ queues for a stream is
+bounded in ``kv_stream.py``, a message's decoding in ``wire.py``, and what libzmq does not bound
+(a multipart message that never ends) by the memory guard (``memory_guard.py``: past a share of
+kvwatch's cgroup limit, the sockets are reopened).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import structlog
 import zmq
-from kvwatch.daemon.engines.kv_sequence import MAX_JUMP, Ranges, StreamSequence
-from kvwatch.daemon.engines.stream_counts import StreamCounts
+from kvwatch.daemon.engines.kv_sequence import MAX_JUMP, StreamSequence
+from kvwatch.daemon.engines.kv_stream import MAX_MESSAGE_BYTES, QUEUE_MESSAGES, Payload, Replay, Stream
+from kvwatch.daemon.engines.memory_guard import MemoryGuard, cgroup_limit
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
-from kvwatch.daemon.engines.wire import Frame, WireError, parse_frames, parse_replay, replay_request
+from kvwatch.daemon.engines.wire import WireError, parse_frames, parse_replay, replay_request
+from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
 from zmq.utils.monitor import recv_monitor_message
 
 log = structlog.get_logger("kvwatch.kv_events")
 
-MAX_MESSAGE_BYTES = 16 << 20  # a frame; vLLM's largest batch carries a step's token ids: ~3M tokens' worth
-QUEUE_MESSAGES = 4  # per socket: RCVHWM x MAX_MESSAGE_BYTES is what ZMQ may hold of one stream's 1-frame messages
 DRAIN_PER_WAKEUP = 2000
 DRAIN_BYTES_PER_WAKEUP = 64 << 20
-
-Payload = Frame
-
-
-@dataclass(slots=True)
-class _Replay:
-    start: int
-    covers: Ranges
-    sent_at: float
-
-
-class _Stream:
-    def __init__(
-        self,
-        spec: StreamSpec,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        now: float,
-        bounds: tuple[int, int],
-        thrash_seconds: float,
-        *,
-        namer: TenantNamer | None = None,
-        seq: StreamSequence[Payload],
-    ) -> None:
-        self.spec = spec
-        self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
-        self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        self.sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.sub.connect(spec.endpoint)
-        self.dealer: zmq.Socket[bytes] | None = None
-        self.counts = StreamCounts(bounds, thrash_seconds, namer)
-        self.connected = False
-        self.seq = seq
-        self.replay_requests = 0
-        self.pending: _Replay | None = None
-        self.last_at = now
-
-    def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self.sub.disable_monitor()
-        for s in (self.monitor, self.sub, self.dealer):
-            if s is not None:
-                s.close(0)
-
-    def stats(self) -> StreamStats:
-        q = self.seq
-        return self.counts.stats(
-            spec=self.spec,
-            connected=self.connected,
-            gaps=q.gaps,
-            missed=q.missed,
-            replayed=q.replayed,
-            lost=q.lost,
-            abandoned=q.abandoned,
-            restarts=q.restarts,
-            replay_requests=self.replay_requests,
-            last_seq=None if q.expected is None else q.expected - 1,
-            last_message_at=self.last_at,
-        )
 
 
 class KVEventHub:
@@ -132,7 +65,10 @@ class KVEventHub:
         clock: Callable[[], float] = time.monotonic,
         namer: TenantNamer | None = None,
         errors: ErrorBook | None = None,
+        rss_limit: int | None = None,
     ) -> None:
+        """``rss_limit``: the process's RSS past which the hub resets its sockets
+        (``memory_guard.py``); None: from kvwatch's cgroup; 0: no guard."""
         self.thrash_seconds = thrash_seconds
         self.namer = namer
         self.bounds = (max_tracked_blocks, regret_memory_blocks)
@@ -141,12 +77,13 @@ class KVEventHub:
         self.max_jump = max_sequence_jump
         self.clock = clock
         self.errors = errors  # where the hub's own failures are counted (and logged once)
+        self.guard = MemoryGuard(cgroup_limit(ProcFS()) if rss_limit is None else (rss_limit or None))
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._lock = threading.Lock()
         self._wanted: frozenset[StreamSpec] = frozenset()
         self._dirty = False
-        self._streams: dict[StreamSpec, _Stream] = {}
-        self._by_socket: dict[zmq.Socket[bytes], _Stream] = {}
+        self._streams: dict[StreamSpec, Stream] = {}
+        self._by_socket: dict[zmq.Socket[bytes], Stream] = {}
         self._poller = zmq.Poller()
         self._stop = threading.Event()
         self._wake = threading.Event()  # set_streams / close: the idle hub looks again
@@ -217,6 +154,29 @@ class KVEventHub:
             if st.pending is not None and now - st.pending.sent_at > self.replay_timeout:
                 with self._lock:
                     self._finish_replay(st, now)
+        if self.guard.check(now):
+            self._reopen_all()
+
+    def _reopen_all(self) -> None:
+        """The memory guard's reset: every stream's sockets closed and opened again."""
+        rss = self.guard.last_rss >> 20
+        self._fail("memory", MemoryError(f"RSS {rss} MiB past the limit: the KV event sockets are reopened"))
+        with self._lock:
+            for spec, st in list(self._streams.items()):
+                for sock in (st.sub, st.monitor, st.dealer):
+                    if sock is not None:
+                        self._poller.unregister(sock)
+                        self._by_socket.pop(sock, None)
+                try:
+                    st.reopen(self._ctx)
+                except zmq.ZMQError as err:  # set up afresh at the next look at the wanted streams
+                    self._fail("connect", err)
+                    del self._streams[spec]
+                    self._dirty = True
+                    continue
+                for sock in (st.sub, st.monitor):
+                    self._poller.register(sock, zmq.POLLIN)
+                    self._by_socket[sock] = st
 
     def failure_counts(self) -> dict[str, int]:
         with self._failures_lock:
@@ -248,7 +208,7 @@ class KVEventHub:
             for spec in wanted - self._streams.keys():
                 seq: StreamSequence[Payload] = StreamSequence(spec.replay is not None, self.max_replay, self.max_jump)
                 try:
-                    st = _Stream(
+                    st = Stream(
                         spec, self._ctx, self.clock(), self.bounds, self.thrash_seconds, namer=self.namer, seq=seq
                     )
                 except zmq.ZMQError as err:
@@ -260,7 +220,7 @@ class KVEventHub:
                     self._by_socket[sock] = st
                 log.info("subscribed to KV events", endpoint=spec.endpoint, replay=spec.replay, dp_rank=spec.dp_rank)
 
-    def _on_monitor(self, st: _Stream) -> None:
+    def _on_monitor(self, st: Stream) -> None:
         while st.monitor.poll(0):
             try:
                 msg = recv_monitor_message(st.monitor)
@@ -274,7 +234,7 @@ class KVEventHub:
                 elif ev == zmq.EVENT_DISCONNECTED:
                     st.connected = False
 
-    def _drain(self, st: _Stream, now: float) -> None:
+    def _drain(self, st: Stream, now: float) -> None:
         """One message at a time (each one's failure is its own), within the wakeup's bounds."""
         taken = 0
         for _ in range(DRAIN_PER_WAKEUP):
@@ -293,7 +253,7 @@ class KVEventHub:
             if taken >= DRAIN_BYTES_PER_WAKEUP:
                 break
 
-    def _take(self, st: _Stream, frames: list[Payload], now: float) -> None:
+    def _take(self, st: Stream, frames: list[Payload], now: float) -> None:
         try:
             _topic, seq, payload = parse_frames(frames)
         except WireError as err:
@@ -311,7 +271,7 @@ class KVEventHub:
             self._send_replay(st, now)
 
     # --- replay -----------------------------------------------------------------------------------
-    def _send_replay(self, st: _Stream, now: float) -> None:
+    def _send_replay(self, st: Stream, now: float) -> None:
         if st.dealer is None:
             try:
                 d = self._ctx.socket(zmq.DEALER)
@@ -334,9 +294,9 @@ class KVEventHub:
             st.seq.lose_missing()
             return
         st.replay_requests += 1
-        st.pending = _Replay(start, st.seq.missing.snapshot(), now)
+        st.pending = Replay(start, st.seq.missing.snapshot(), now)
 
-    def _drain_replay(self, st: _Stream, now: float) -> None:
+    def _drain_replay(self, st: Stream, now: float) -> None:
         dealer = st.dealer
         if dealer is None:
             return
@@ -356,7 +316,7 @@ class KVEventHub:
             if taken >= DRAIN_BYTES_PER_WAKEUP:
                 break
 
-    def _take_replayed(self, st: _Stream, frames: list[Payload], now: float) -> None:
+    def _take_replayed(self, st: Stream, frames: list[Payload], now: float) -> None:
         try:
             seq, payload = parse_replay(frames)
         except WireError as err:
@@ -367,7 +327,7 @@ class KVEventHub:
         elif st.seq.replayed_one(seq):
             st.counts.ingest(payload, newest=False)
 
-    def _finish_replay(self, st: _Stream, now: float) -> None:
+    def _finish_replay(self, st: Stream, now: float) -> None:
         """End marker (or timeout): what the request covered and did not bring is lost."""
         p = st.pending
         st.pending = None

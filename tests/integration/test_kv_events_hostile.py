@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,3 +303,59 @@ def test_a_flood_of_the_largest_messages_stays_in_the_publisher() -> None:
     assert queued < 96 << 20, queued / 2**20
     assert drained < 128 << 20, drained / 2**20
     assert (s.batches, s.gaps, s.lost) == (n, 0, 0)
+
+
+class EndlessMultipart:
+    """A publisher (ZMTP 3.0, as libzmq's PUB speaks it) that sends the parts of one message and
+    never its last part: 1 MiB parts, at most ``total`` bytes over every connection the
+    subscriber makes (it reconnects by itself), paced at about 256 MiB/s."""
+
+    PART = 1 << 20
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.sent = 0
+        self.done = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        frame = b"\x03" + struct.pack(">Q", self.PART) + bytes(self.PART)  # MORE | LONG
+        ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 3) + b"PUB"
+        while self.sent < self.total:
+            conn, _ = self.server.accept()
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+                conn.recv(64)
+                conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
+                while self.sent < self.total:
+                    conn.sendall(frame)
+                    self.sent += self.PART
+                    time.sleep(0.004)
+        self.done.set()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_multipart_message_that_never_ends_is_cut_off_by_the_memory_guard() -> None:
+    """libzmq keeps the parts of a message until its last one, whatever RCVHWM: 768 MiB of parts
+    of a message that never ends would all be in kvwatch's memory. Past its limit the hub gives
+    the heap back and reopens the stream's socket, the parts go with it (counted: memory)."""
+    limit = 128 << 20
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _vm("VmHWM")
+    hub = KVEventHub(thrash_seconds=5.0, rss_limit=_vm("VmRSS") + limit)
+    pub = EndlessMultipart(768 << 20)
+    try:
+        hub.set_streams([StreamSpec(f"tcp://127.0.0.1:{pub.port}")])
+        hub.start()
+        wait_until(pub.done.is_set, 120, "the whole flood sent")
+        growth = _vm("VmHWM") - base
+    finally:
+        hub.close()
+        pub.close()
+    assert hub.failures.get("memory", 0) >= 1
+    assert growth < limit + (192 << 20), growth / 2**20
