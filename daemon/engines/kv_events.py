@@ -89,7 +89,6 @@ class KVEventHub:
         self._wake = threading.Event()  # set_streams / close: the idle hub looks again
         self._thread: threading.Thread | None = None
         self.failures: dict[str, int] = {}  # the hub's own failures by reason (also in ``errors``)
-        self._failures_lock = threading.Lock()
 
     # --- the agent's side -----------------------------------------------------------------
     def start(self) -> None:
@@ -178,17 +177,12 @@ class KVEventHub:
                     self._poller.register(sock, zmq.POLLIN)
                     self._by_socket[sock] = st
 
-    def failure_counts(self) -> dict[str, int]:
-        with self._failures_lock:
-            return dict(self.failures)
-
     def _fail(self, reason: str, err: BaseException, *, detail: bool = True) -> None:
         """Count (and log once) one of the hub's own failures. ``detail``: the error's text may
         be logged (a socket's); else only its type (an error raised on a peer's message may
         quote what it carried)."""
-        with self._failures_lock:
-            n = self.failures.get(reason, 0)
-            self.failures[reason] = n + 1
+        n = self.failures.get(reason, 0)
+        self.failures[reason] = n + 1
         error = f"{type(err).__name__}: {err}" if detail else type(err).__name__
         if self.errors is not None:
             self.errors.record(f"kv_events_{reason}", "kv event subscriber problem", level="warning", error=error)

@@ -30,7 +30,7 @@ bad one changes no counter (``Decoder.decode``):
   engine sends (below): refused at the array's header, before its items exist.
 
 What one message can cost is bounded by those caps, not by its length: a payload up to
-FAST_PAYLOAD_BYTES is decoded in one call (at most ~64 bytes of Python objects per byte: 64 MiB);
+FAST_PAYLOAD_BYTES is decoded in one call (a few tens of bytes of Python objects per byte at most);
 a longer one event by event, the batch's hashes summed as they come, so that at most
 MAX_BATCH_HASHES hashes and MAX_BATCH_EVENTS events exist at once. An event's ``token_ids`` are
 never decoded, its ``extra_keys`` are read within their own bound (``block_keys.py``).

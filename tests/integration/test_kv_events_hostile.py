@@ -31,6 +31,7 @@ from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
+from structlog.testing import capture_logs
 
 from tests.support.daemon import free_port, wait_until
 
@@ -139,7 +140,7 @@ def test_a_failure_inside_the_accounting_drops_that_batch_only(hub: KVEventHub, 
         real(self, ev, *args)
 
     monkeypatch.setattr(StreamCounts, "_store", faulty)
-    with publisher(hub) as pub:
+    with publisher(hub) as pub, capture_logs() as logs:
         pub.send(0, batch(1.0, store([1])))
         pub.send(1, batch(2.0, store([666])))
         pub.send(2, batch(3.0, store([3])))
@@ -147,6 +148,9 @@ def test_a_failure_inside_the_accounting_drops_that_batch_only(hub: KVEventHub, 
     assert dict(s.decode_errors) == {"internal": 1}
     assert (s.batches, s.gaps, s.lost) == (3, 0, 0)  # 1, 3 and the marker
     assert hub.failures == {"internal": 1}
+    said = [e for e in logs if e.get("reason") == "internal"]
+    assert [e["error"] for e in said] == ["RuntimeError"]  # its kind, never what the message carried
+    assert "injected" not in repr(logs)
 
 
 def test_the_hubs_own_failures_reach_the_agents_error_counts(tmp_path: Path) -> None:
