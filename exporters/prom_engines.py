@@ -24,6 +24,12 @@ STREAM_COUNTERS = (
     ("gaps", "kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)"),
     ("replayed", "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint"),
     ("lost", "kvwatch_kv_event_batches_lost", "missed batches not recovered"),
+    (
+        "abandoned",
+        "kvwatch_kv_event_batches_abandoned",
+        "of the lost, batches given up without asking the replay endpoint: more awaited replay than a "
+        "replay buffer holds (10,000, vLLM's default buffer_steps)",
+    ),
     ("restarts", "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again"),
 )
 
@@ -90,7 +96,8 @@ class _KvEventFamilies:
         self.per_stream = {attr: CounterMetricFamily(name, doc, labels=s_labels) for attr, name, doc in STREAM_COUNTERS}
         self.bad = CounterMetricFamily(
             "kvwatch_kv_event_decode_errors",
-            "messages (kind frames, sequence, payload) or events (kind event) dropped as malformed",
+            "messages dropped as malformed or implausible (kind frames, sequence, payload, nesting, timestamp, "
+            "block_size, size, internal), events dropped (event) or kept undescribed (field)",
             labels=[*s_labels, "kind"],
         )
 
@@ -122,7 +129,7 @@ class _KvEventFamilies:
         yield from self.groups.families()
         yield self.extras
         yield from (self.resets, self.connected)
-        yield from (self.per_stream[a] for a in ("batches", "gaps", "replayed", "lost"))
+        yield from (self.per_stream[a] for a in ("batches", "gaps", "replayed", "lost", "abandoned"))
         yield from (self.bad, self.per_stream["restarts"])
 
 

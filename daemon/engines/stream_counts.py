@@ -24,24 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MediumGroups, group_key
 from kvwatch.daemon.engines.hashmem import fingerprint
 from kvwatch.daemon.engines.memory_budget import MemoryBudget, StreamPlan
 from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN, TenantBook, TenantNamer
 from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
-from kvwatch.daemon.engines.wire import (
-    CLEARED,
-    NIL,
-    REMOVED,
-    STORED,
-    Decoder,
-    Event,
-    StoredEvent,
-    WireError,
-    extra_keys,
-)
+from kvwatch.daemon.engines.wire import CLEARED, REMOVED, STORED, Batch, Decoder, Event, Stored, WireError
 
 BLOCK_EVENTS = (*STORED, *REMOVED)
 LEARN_BATCHES = 64
@@ -113,7 +102,10 @@ class StreamCounts:
         names = self.book.names
         return {k: {names[t]: m for t, m in mg.logical_tenants().items()} for k, mg in self.media.items()}
 
-    def ingest(self, payload: bytes) -> None:
+    def ingest(self, payload: bytes | memoryview, *, newest: bool = True) -> None:
+        """Count one batch, or the reason it counts for nothing. ``newest``: the stream's latest
+        batch, whose time becomes the last batch time (a replayed batch is older; and the last
+        batch's, not the greatest seen, so that one batch from the far future pins nothing)."""
         try:
             batch = self.decoder.decode(payload)
         except WireError as err:
@@ -123,10 +115,14 @@ class StreamCounts:
             self.error("event", batch.skipped)
         if batch.undescribed:
             self.error("field", batch.undescribed)
+        self._apply(batch)
         self.batches += 1
         self.events += len(batch.events)
+        if newest:
+            self.last_ts = batch.ts
+
+    def _apply(self, batch: Batch) -> None:
         ts = batch.ts
-        self.last_ts = max(self.last_ts, ts)
         young_before = ts - self.thrash_seconds
         if self._learning:
             self._learn(batch.events)
@@ -173,7 +169,7 @@ class StreamCounts:
         self._learning = LEARN_BATCHES if learnt or named != groups else self._learning - 1
         self._named = named
 
-    def _store(self, ev: StoredEvent, ts: float) -> None:
+    def _store(self, ev: Stored, ts: float) -> None:
         mg = self._medium(ev.medium)
         blocks = mg.group(ev.group_idx)
         kind = ev.kv_cache_spec_kind
@@ -183,22 +179,23 @@ class StreamCounts:
         ):
             self._learning = LEARN_BATCHES  # a kind told late (or changed): read batches first again
         hashes = ev.block_hashes
-        nil = ev.parent_block_hash == NIL
+        nil = not ev.has_parent
         if nil and hashes and (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM and blocks.holds(hashes[-1]):
             blocks.announce(len(hashes), ev.block_size)  # a prefix-cache hit announced again, not a store
             return
         tag = DEFAULT
-        if self.book.active or ev.lora_name is not None or ev.extra_keys:
+        described = ev.lora_name is not None or ev.keys is not None
+        if self.book.active or described:
             tag = self._tenant_of(ev, mg, nil)
         blocks.store(hashes, ts, ev.block_size, len(hashes) == 1 and not nil, tag)
-        if (ev.lora_name is not None or ev.extra_keys) and blocks is mg.groups.get(mg.reference):
+        if described and blocks is mg.groups.get(mg.reference):
             self._extras(ev)
 
-    def _tenant_of(self, ev: StoredEvent, mg: MediumGroups, nil: bool) -> int:
+    def _tenant_of(self, ev: Stored, mg: MediumGroups, nil: bool) -> int:
         lora = ev.lora_name
         gpu = (ev.medium or DEFAULT_MEDIUM) == DEFAULT_MEDIUM
         if gpu and nil:  # a request's first block
-            salt = extra_keys(ev.extra_keys[0], lora).salt if ev.extra_keys else None
+            salt = ev.keys.first.salt if ev.keys is not None else None
             return self.book.tag(salt, lora) if salt is not None or lora is not None else DEFAULT
         if not self.book.active and lora is None:
             return DEFAULT
@@ -207,28 +204,23 @@ class StreamCounts:
             pool = self.media.get(DEFAULT_MEDIUM)
             if pool is not None and ev.block_hashes:
                 tag = pool.group(pool.reference).peek_tag(fingerprint(ev.block_hashes[0]))
-        if tag is None and not nil:
-            parent = msgspec.msgpack.decode(ev.parent_block_hash)
-            if isinstance(parent, int | bytes):
-                tag = mg.group(mg.reference).peek_tag(fingerprint(parent))
+        if tag is None and ev.parent is not None:
+            tag = mg.group(mg.reference).peek_tag(fingerprint(ev.parent))
         if tag is not None:
             return tag
         return self.book.tag(None, lora) if lora is not None else UNKNOWN
 
-    def _extras(self, ev: StoredEvent) -> None:
+    def _extras(self, ev: Stored) -> None:
         """Blocks stored with a LoRA adapter, a cache salt (a request's first block), multimodal
         inputs or prompt embeddings, on the medium's reference group (once per block range)."""
         n = self.extras
         if ev.lora_name is not None:
             n["lora"] = n.get("lora", 0) + len(ev.block_hashes)
-        for entry in ev.extra_keys or ():
-            k = extra_keys(entry, ev.lora_name)
-            if k.salt is not None:
-                n["cache_salt"] = n.get("cache_salt", 0) + 1
-            if k.multimodal:
-                n["multimodal"] = n.get("multimodal", 0) + 1
-            if k.embeds:
-                n["prompt_embeds"] = n.get("prompt_embeds", 0) + 1
+        k = ev.keys
+        if k is not None:
+            for key, blocks in (("cache_salt", k.salted), ("multimodal", k.multimodal), ("prompt_embeds", k.embeds)):
+                if blocks:
+                    n[key] = n.get(key, 0) + blocks
 
     def _settle(self, ts: float) -> None:
         gpu = self.media.get(DEFAULT_MEDIUM)

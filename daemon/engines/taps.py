@@ -178,6 +178,7 @@ class EngineTaps:
             replay_timeout_seconds=config.replay_timeout_seconds,
             clock=clock,
             namer=TenantNamer(config.tenants, node_key),
+            errors=errors,  # the hub's own failures: kvwatch_errors_total{kind="kv_events_..."}
         )
         self.scraper = scraper or EngineScraper(
             interval=config.scrape_interval_seconds,

@@ -146,6 +146,7 @@ class StreamStats:
     # logical, per medium and tenant (``tenants.py``), once the stream has named one
     tenants: Mapping[str, Mapping[str, MediumTotals]] = field(default_factory=dict)
     tenants_overflow: int = 0  # distinct tenants past the stream's cap, counted as other
+    abandoned: int = 0  # of the lost, given up unasked: more awaited replay than the replay buffer holds
 
 
 @dataclass(frozen=True, slots=True)

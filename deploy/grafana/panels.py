@@ -414,6 +414,10 @@ ROWS: list[tuple[str, list[Graph]]] = [
                     ),
                     (increase("kvwatch_kv_event_batches_lost_total", "endpoint", NODE), "lost {{endpoint}}"),
                     (
+                        increase("kvwatch_kv_event_batches_abandoned_total", "endpoint", NODE),
+                        "of them abandoned {{endpoint}}",
+                    ),
+                    (
                         increase("kvwatch_kv_event_decode_errors_total", "endpoint, kind", NODE),
                         "decode errors {{kind}}",
                     ),
