@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -267,14 +270,40 @@ def test_a_config_file_is_read_up_to_a_bound(tmp_path: Path) -> None:
         load_config(f, environ={}, default_path=None)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root searches any directory")
-def test_an_unreadable_default_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
+def _unprivileged(check: Callable[[], None]) -> None:
+    """Run ``check`` as a user that cannot search a mode-0 directory: in a forked child as
+    nobody when the tests run as root (root searches any directory), else here."""
+    if os.geteuid() != 0:
+        check()
+        return
+    pid = os.fork()
+    if pid == 0:  # the child: its verdict is its exit status, never back into pytest
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            check()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the check failed as an unprivileged user"
+
+
+def test_an_unreadable_default_file_is_a_problem_not_a_crash() -> None:
+    base = Path(tempfile.mkdtemp(prefix="kvwatch-config-"))  # not under pytest's 0700 tree
+    base.chmod(0o755)  # nobody reaches locked/ and stops there
+    locked = base / "locked"
     locked.mkdir()
     (locked / "kvwatch.toml").write_text("")
     locked.chmod(0)
-    try:
+
+    def check() -> None:
         with pytest.raises(ConfigError, match="cannot read"):
             load_config(environ={}, default_path=locked / "kvwatch.toml")
+
+    try:
+        _unprivileged(check)
     finally:
         locked.chmod(0o700)
+        shutil.rmtree(base)
