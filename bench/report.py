@@ -31,6 +31,7 @@ ORDER = (
     "kv_memory",
     "kv_memory_offload",
     "kv_memory_groups",
+    "kv_message_rss",
     "kv_retained_rss",
     "footprint",
     "daemon_load",
@@ -47,6 +48,7 @@ TITLES = {
     "kv_memory": "KV event accounting memory at 1M blocks/s (bench/bench_kv_memory.py)",
     "kv_memory_offload": "KV event accounting memory at 1M blocks/s, GPU and CPU tier (bench/bench_kv_memory.py --offload)",
     "kv_memory_groups": "KV event accounting memory at 1M blocks/s, six KV cache groups (bench/bench_kv_memory.py --groups 6)",
+    "kv_message_rss": "KV event stream: peak RSS of the worst messages (bench/bench_kv_message_rss.py)",
     "kv_retained_rss": "KV event accounting: retained RSS under the worst publisher and salt flood "
     "(bench/bench_kv_retained_rss.py)",
     "footprint": "The daemon's own footprint, default configuration (bench/bench_footprint.py)",
@@ -248,6 +250,18 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
             out.append(
                 (f"KV accounting RSS growth, 1M blocks/s for {m.group(1)} s, {what}", f"{m.group(2)} MiB", bound)
             )
+    if m := re.search(
+        r"^Worst: (\d+) MiB; with the daemon's (\d+) MiB at rest, (\d+) MiB against the chart's limit of (\d+) MiB",
+        res.get("kv_message_rss", ""),
+        re.M,
+    ):
+        out.append(
+            (
+                "KV event stream, the worst single message (or flood)",
+                f"peak +{m[1]} MiB: a daemon's peak {m[3]} MiB",
+                f"< {m[4]} MiB (chart limit)",
+            )
+        )
     out += retained_rss(res.get("kv_retained_rss", ""))
     for r in det:
         if r and r[0].startswith(("KV", "Inference")):
