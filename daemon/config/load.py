@@ -142,6 +142,45 @@ def _extend(tree: dict[str, Any], dotted: str, items: list[Any], source: str, so
         sources[f"{dotted}.{i}"] = source
 
 
+def _read_file(file: Path, sources: dict[str, str], problems: list[ConfigProblem]) -> dict[str, Any]:
+    """The TOML file's tree (empty, with the problem recorded, when it cannot be had)."""
+    try:
+        with file.open("rb") as f:
+            text = f.read(MAX_FILE_BYTES + 1)
+        if len(text) > MAX_FILE_BYTES:
+            problems.append(ConfigProblem("(file)", f"larger than {MAX_FILE_BYTES >> 20} MiB", str(file)))
+            return {}
+        tree = tomllib.loads(text.decode())
+    except FileNotFoundError:
+        problems.append(ConfigProblem("(file)", "no such file", str(file)))
+        return {}
+    except (OSError, UnicodeDecodeError) as err:
+        problems.append(ConfigProblem("(file)", f"cannot read: {err}", str(file)))
+        return {}
+    except tomllib.TOMLDecodeError as err:
+        problems.append(ConfigProblem("(file)", f"not valid TOML: {err}", str(file)))
+        return {}
+    _record_sources(tree, "", f"file {file}", sources)
+    return tree
+
+
+def _flag_tree(
+    overrides: Mapping[str, Any], sets: list[str], sources: dict[str, str], problems: list[ConfigProblem]
+) -> dict[str, Any]:
+    """What the named flags and ``--set`` give, as a tree."""
+    flag_tree: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        _set_path(flag_tree, dotted, value, sources, f"flag for {dotted}")
+    for n, item in enumerate(sets, 1):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not _is_key(key):  # named by position: the argument may be a mistyped secret
+            problems.append(ConfigProblem(f"--set #{n}", "expected KEY=VALUE, KEY as section.key", "flag --set"))
+            continue
+        _set_path(flag_tree, key, _scalar(raw), sources, f"flag --set {key}")
+    return flag_tree
+
+
 def load_config(
     path: Path | None = None,
     *,
@@ -165,33 +204,11 @@ def load_config(
     explicit = path is not None or "KVWATCH_CONFIG" in environ
     file = path or (Path(environ["KVWATCH_CONFIG"]) if "KVWATCH_CONFIG" in environ else default_path)
     if file is not None and (explicit or _present(file)):
-        try:
-            with file.open("rb") as f:
-                text = f.read(MAX_FILE_BYTES + 1)
-            if len(text) > MAX_FILE_BYTES:
-                problems.append(ConfigProblem("(file)", f"larger than {MAX_FILE_BYTES >> 20} MiB", str(file)))
-            else:
-                tree = tomllib.loads(text.decode())
-                _record_sources(tree, "", f"file {file}", sources)
-        except FileNotFoundError:
-            problems.append(ConfigProblem("(file)", "no such file", str(file)))
-        except (OSError, UnicodeDecodeError) as err:
-            problems.append(ConfigProblem("(file)", f"cannot read: {err}", str(file)))
-        except tomllib.TOMLDecodeError as err:
-            problems.append(ConfigProblem("(file)", f"not valid TOML: {err}", str(file)))
+        tree = _read_file(file, sources, problems)
 
     tree = _merge(tree, env_overrides(environ, sources, problems))
 
-    flag_tree: dict[str, Any] = {}
-    for dotted, value in (overrides or {}).items():
-        _set_path(flag_tree, dotted, value, sources, f"flag for {dotted}")
-    for n, item in enumerate(sets or [], 1):
-        key, eq, raw = item.partition("=")
-        key = key.strip()
-        if not eq or not _is_key(key):  # named by position: the argument may be a mistyped secret
-            problems.append(ConfigProblem(f"--set #{n}", "expected KEY=VALUE, KEY as section.key", "flag --set"))
-            continue
-        _set_path(flag_tree, key, _scalar(raw), sources, f"flag --set {key}")
+    flag_tree = _flag_tree(overrides or {}, sets or [], sources, problems)
     tree = _merge(tree, flag_tree)
     for dotted, (items, flag) in (extend or {}).items():
         _extend(tree, dotted, items, f"flag {flag}", sources)
