@@ -157,7 +157,13 @@ def test_lmcache_disk_tier_squeezed_then_evicted_by_lmcache(tmp_path: Path, kvdi
         cg_limit(cg, None)
         wait_until(lambda: d.value("kvwatch_alert_active", alert=ALERT) == 0, 30, "the alert clears")
         fired = d.value("kvwatch_alerts_fired_total", alert=ALERT)
+        # the chunks to be deleted read back whole first: after the squeeze few of their pages are
+        # left, and the kernel's background reclaim (kswapd, DAMON) may take those few before the
+        # deletion, leaving nothing for the deletion itself to count
+        for f in files[:EVICTED]:
+            f.read_bytes()
         (reclaim0, policy0, *_), cached = at_rest(d, tier, files[:EVICTED])
+        assert cached * PAGE > EVICTED * CHUNK_MIB * MIB // 2, cached
         eng.step(f"evict {EVICTED}", "evicted")
 
         def gone() -> tuple[float, float]:
