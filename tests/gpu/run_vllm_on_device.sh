@@ -57,7 +57,7 @@ case "$step" in
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; uname -r
         with_bcc python3 -c 'import bcc, kvwatch.probes.cuda; print("bcc", bcc.__version__)' || exit 1
         # at most 8 files come back from $OUT: the harness writes just that many
-        with_bcc python3 tests/gpu/validate_vllm.py --out "$out" --plan "$step" --deadline "${DEADLINE:-560}" 2>&1 \
+        with_bcc python3 tests/gpu/validate_vllm.py --out "$out" --plan "$step" --deadline "${DEADLINE:-560}" ${SKIP:+--skip "$SKIP"} 2>&1 \
             | tee "/tmp/validate_$step.log" | tail -80
         ;;
 esac
