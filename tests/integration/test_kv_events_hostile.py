@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -321,12 +320,16 @@ def test_a_flood_of_the_largest_messages_stays_in_the_publisher() -> None:
 class EndlessMultipart:
     """A publisher (ZMTP 3.0, as libzmq's PUB speaks it) that sends the parts of one message and
     never its last part: 1 MiB parts, at most ``total`` bytes over every connection the
-    subscriber makes (it reconnects by itself), paced at about 256 MiB/s."""
+    subscriber makes (it reconnects by itself). On one connection it sends at most
+    ``per_connection`` bytes, then waits for the subscriber to close it: however late the guard
+    runs on a loaded machine, the subscriber never holds more than that, and without a guard
+    the flood never ends (the test's wait fails)."""
 
     PART = 1 << 20
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, per_connection: int) -> None:
         self.total = total
+        self.per_connection = per_connection
         self.sent = 0
         self.done = threading.Event()
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -343,10 +346,13 @@ class EndlessMultipart:
                 conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
                 conn.recv(64)
                 conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
-                while self.sent < self.total:
+                here = 0
+                while self.sent < self.total and here < self.per_connection:
                     conn.sendall(frame)
                     self.sent += self.PART
-                    time.sleep(0.004)
+                    here += self.PART
+                while self.sent < self.total and conn.recv(64):  # until the subscriber lets go
+                    pass
         self.done.set()
 
     def close(self) -> None:
@@ -361,7 +367,7 @@ def test_a_multipart_message_that_never_ends_is_cut_off_by_the_memory_guard() ->
     Path("/proc/self/clear_refs").write_text("5")
     base = _vm("VmHWM")
     hub = KVEventHub(thrash_seconds=5.0, rss_limit=_vm("VmRSS") + limit)
-    pub = EndlessMultipart(768 << 20)
+    pub = EndlessMultipart(768 << 20, per_connection=limit + (64 << 20))
     try:
         hub.set_streams([StreamSpec(f"tcp://127.0.0.1:{pub.port}")])
         hub.start()
