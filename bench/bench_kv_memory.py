@@ -2,7 +2,7 @@
 
 The hub keeps, per stream and medium, two memories of block hashes (store times for young
 removals, recent removals for regrets: daemon/engines/blocks.py, hashmem.py), bounded by
-``engines.max_tracked_blocks`` and ``engines.regret_memory_blocks``. This drives that
+``engines.max_tracked_blocks`` and ``engines.regret_memory_seconds`` x ``_rate``. This drives that
 accounting with the defaults at a stream rate of 1M blocks/s of engine time: each step
 stores 32 new blocks and removes the 32 oldest of a resident pool (vLLM's GPU pool turning
 over), and every 50th store brings back a block removed a while ago (a regret). RSS is read
@@ -67,7 +67,7 @@ def kind(g: int, groups: int) -> tuple[str, int | None]:
 
 def media(groups: int, offload: bool) -> tuple[MediumGroups, MediumGroups | None]:
     cfg = EnginesConfig()
-    bounds = (cfg.max_tracked_blocks, cfg.regret_memory_blocks)
+    bounds = (cfg.max_tracked_blocks, cfg.regret_blocks)
     gpu = MediumGroups(bounds)
     cpu = MediumGroups(bounds, like=gpu) if offload else None
     for g in range(groups):
@@ -165,8 +165,8 @@ def report(
         "",
         f"Host: {platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, "
         f"Python {platform.python_version()}.",
-        f"Defaults: max_tracked_blocks {cfg.max_tracked_blocks:,}, regret_memory_blocks "
-        f"{cfg.regret_memory_blocks:,}; one stream, {media}; {step} blocks stored and {step} removed per "
+        f"Defaults: max_tracked_blocks {cfg.max_tracked_blocks:,}, regret memory "
+        f"{cfg.regret_blocks:,}; one stream, {media}; {step} blocks stored and {step} removed per "
         f"event, a pool of {POOL:,} resident blocks, every 50th store a block removed ~100,000 removals ago.",
         f"Stream time {seconds:.0f} s at {RATE:,} blocks/s: {totals['stored']:,} blocks stored, "
         f"{totals['removed']:,} removed, {totals['regretted']:,} regretted, {totals['dropped']:,} offloads dropped; "

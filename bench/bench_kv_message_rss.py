@@ -56,7 +56,11 @@ def _status(field: str) -> int:
 
 
 def _array(n: int) -> bytes:
-    return bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big"))
+    return (
+        bytes([0x90 | n])
+        if n < 16
+        else (b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big"))
+    )
 
 
 def _str(s: str) -> bytes:
@@ -156,7 +160,7 @@ def measure(shape: str, size: int) -> dict[str, object]:
     from kvwatch.daemon.engines.stream_counts import StreamCounts
 
     cfg = EnginesConfig()
-    counts = StreamCounts((cfg.max_tracked_blocks, cfg.regret_memory_blocks), cfg.thrash_seconds)
+    counts = StreamCounts((cfg.max_tracked_blocks, cfg.regret_blocks), cfg.thrash_seconds)
     data = payload(shape, size)
     gc.collect()
     before = _status("VmRSS")

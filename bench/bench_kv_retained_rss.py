@@ -182,11 +182,11 @@ def run_worst(streams: int, scale: int) -> dict[str, Any]:
         cfg = cfg.model_copy(
             update={
                 k: getattr(cfg, k) // scale
-                for k in ("max_tracked_blocks", "regret_memory_blocks", "kv_memory_bytes")
+                for k in ("max_tracked_blocks", "regret_memory_rate", "kv_memory_bytes")
                 if hasattr(cfg, k)
             }
         )
-    bounds = (cfg.max_tracked_blocks, cfg.regret_memory_blocks)
+    bounds = (cfg.max_tracked_blocks, cfg.regret_blocks)
     budget_bytes = getattr(cfg, "kv_memory_bytes", None)
     budget = MemoryBudget(budget_bytes) if MemoryBudget is not None and budget_bytes else None
     import kvwatch.daemon.engines.hashmem_sealed  # noqa: F401 - numpy in the base, as in a daemon that sealed

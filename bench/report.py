@@ -33,6 +33,7 @@ ORDER = (
     "kv_memory_groups",
     "kv_message_rss",
     "kv_retained_rss",
+    "regret_memory",
     "footprint",
     "daemon_load",
     "detection",
@@ -51,6 +52,7 @@ TITLES = {
     "kv_message_rss": "KV event stream: peak RSS of the worst messages (bench/bench_kv_message_rss.py)",
     "kv_retained_rss": "KV event accounting: retained RSS under the worst publisher and salt flood "
     "(bench/bench_kv_retained_rss.py)",
+    "regret_memory": "Regret memory: horizon and cost under a flood (bench/bench_regret_memory.py)",
     "footprint": "The daemon's own footprint, default configuration (bench/bench_footprint.py)",
     "daemon_load": "The daemon at idle and under load (bench/bench_daemon_load.py)",
     "detection": "Detection latency (bench/bench_detection.py)",
@@ -263,6 +265,18 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
             )
         )
     out += retained_rss(res.get("kv_retained_rss", ""))
+    for m in re.finditer(
+        r"^\| ([0-9,]+) \| (\d+) \| (\d+) \| [0-9,]+ \| [0-9,]+ \| ([0-9.]+) \| ([0-9.]+) \|",
+        res.get("regret_memory", ""),
+        re.M,
+    ):
+        out.append(
+            (
+                f"regret memory, a flood of {m[1]} blocks/s for {m[2]} s",
+                f"horizon {m[3]} s, {m[4]} MiB ({m[5]} bytes a removal)",
+                "600 s up to 20,000 blocks/s",
+            )
+        )
     for r in det:
         if r and r[0].startswith(("KV", "Inference")):
             out.append((f"alert after onset: {r[0]}", f"{r[2]} (demo settings)", "≤ 3 s"))

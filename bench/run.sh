@@ -14,6 +14,7 @@ command -v gcc >/dev/null || apt-get install -y -qq gcc >/dev/null
 .venv/bin/python bench/bench_kv_memory.py --groups 6 --seconds "${KV_MEMORY_SECONDS:-60}" --out bench/results/kv_memory_groups.md
 .venv/bin/python bench/bench_kv_message_rss.py --bytes 16777216,67108864 --hub --out bench/results/kv_message_rss.md
 .venv/bin/python bench/bench_kv_retained_rss.py --label "this checkout" --out bench/results/kv_retained_rss.md
+.venv/bin/python bench/bench_regret_memory.py --out bench/results/regret_memory.md
 .venv/bin/python bench/bench_footprint.py --seconds "${FOOTPRINT_SECONDS:-300}" --out bench/results/footprint.md
 .venv/bin/python bench/bench_daemon_load.py --seconds "${LOAD_SECONDS:-20}" --out bench/results/daemon_load.md
 .venv/bin/python bench/bench_detection.py --out bench/results/detection.md

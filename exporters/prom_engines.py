@@ -103,12 +103,13 @@ class _KvEventFamilies:
 
     def add(self, v: list[str], e: EngineView) -> None:
         if e.streams:
+            horizons = e.regret_horizon
             for medium, m in sorted(e.media.items()):
                 self.stored.add_metric([*v, medium], m.stored)
                 self.removed.add_metric([*v, medium], m.removed)
                 self.young.add_metric([*v, medium], m.removed_young)
                 self.announced.add_metric([*v, medium], m.announced)
-                self.regret.add([*v, medium], m, e.regret_ratio.get(medium))
+                self.regret.add([*v, medium], m, e.regret_ratio.get(medium), horizons.get(medium))
             self.resets.add_metric(v, cache_resets(e.streams))
             self.groups.add(v, e)
             for key, n in sorted(e.extras.items()):
@@ -191,8 +192,8 @@ class _RegretFamilies:
     def __init__(self, labels: list[str]) -> None:
         self.blocks = CounterMetricFamily(
             "kvwatch_kv_blocks_regretted",
-            "KV blocks stored again after the engine removed them (a removal among the last "
-            "engines.regret_memory_blocks remembered): evictions the engine regretted",
+            "KV blocks stored again after the engine removed them (a removal within "
+            "kvwatch_kv_regret_horizon_seconds): evictions the engine regretted",
             labels=labels,
         )
         self.restored = CounterMetricFamily(
@@ -208,13 +209,19 @@ class _RegretFamilies:
         self.seconds = HistogramMetricFamily(
             "kvwatch_kv_regret_seconds", "time from a regretted block's removal to its store again", labels=labels
         )
+        self.horizon = GaugeMetricFamily(
+            "kvwatch_kv_regret_horizon_seconds",
+            "seconds of removals remembered now, back from the stream's last batch (the shortest of its "
+            "data-parallel ranks'): a block stored again after longer than this may be a regret not counted",
+            labels=labels,
+        )
         self.ratio = GaugeMetricFamily(
             "kvwatch_kv_regret_ratio",
             "regretted over removed KV blocks, over the KVEvictionBurst window (absent without removals)",
             labels=labels,
         )
 
-    def add(self, v: list[str], m: MediumTotals, ratio: float | None) -> None:
+    def add(self, v: list[str], m: MediumTotals, ratio: float | None, horizon: float | None) -> None:
         self.blocks.add_metric(v, m.regretted)
         self.restored.add_metric(v, m.restored)
         self.tokens.add_metric(v, m.regret_tokens)
@@ -225,9 +232,11 @@ class _RegretFamilies:
         self.seconds.add_metric(v, buckets, m.regret_seconds)
         if ratio is not None:
             self.ratio.add_metric(v, ratio)
+        if horizon is not None:
+            self.horizon.add_metric(v, horizon)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.blocks, self.restored, self.tokens, self.seconds, self.ratio)
+        yield from (self.blocks, self.restored, self.tokens, self.seconds, self.horizon, self.ratio)
 
 
 class _ScrapeFamilies:

@@ -126,6 +126,7 @@ class DiscoveryConfig(_Section):
     @classmethod
     def _pid_set(cls, v: list[int]) -> list[int]:
         return sorted(set(v))
+
     proc_root: Path = Path("/proc")  # the procfs showing the watched processes: the host's (/host/proc in a pod)
 
 
@@ -266,12 +267,14 @@ class EnginesConfig(_Section):
     # Store times remembered per stream, medium and KV cache group, to see young removals; about
     # 24 bytes each when full (40 at worst), the oldest forgotten first (counted).
     max_tracked_blocks: Annotated[int, Field(ge=1024, le=1 << 26)] = 1_000_000
-    # Removed block hashes remembered per stream, medium and group to see them stored again
-    # (regretted evictions); as many bytes each. 0: off.
-    regret_memory_blocks: Annotated[int, Field(ge=0, le=1 << 26)] = 524_288
+    # Removals remembered per stream, medium and group to see their blocks stored again (regretted
+    # evictions): at least this many seconds of removals at this rate (blocks/s), about 7 bytes
+    # each (11 at worst): 10 minutes of a 20,000 blocks/s flood by default. 0 seconds: off.
+    regret_memory_seconds: Annotated[float, Field(ge=0, le=86_400)] = 600.0
+    regret_memory_rate: Annotated[int, Field(ge=1, le=1_000_000)] = 20_000
     # What every stream's hash memories together may hold on this node (the streams share it, each
     # medium and group within its bounds above: docs/architecture.md, "What the accounting keeps").
-    kv_memory_bytes: Annotated[int, Field(ge=16 << 20, le=16 << 30)] = 256 << 20
+    kv_memory_bytes: Annotated[int, Field(ge=16 << 20, le=16 << 30)] = 384 << 20
     # Bytes of one KV block, to price the loss ledger; 0: learnt from the engine's offload
     # counter (bytes copied to its CPU tier over CPU blocks announced), else blocks only.
     kv_block_bytes: Annotated[int, Field(ge=0, le=1 << 32)] = 0
@@ -283,6 +286,11 @@ class EnginesConfig(_Section):
     tenants: Annotated[list[TenantRule], Field(max_length=1024)] = []
     tenant_top_k: Annotated[int, Field(ge=1, le=256)] = 8  # per engine; the rest count as "other"
     tenant_key_file: Path = Path("/var/lib/kvwatch/tenant.key")
+
+    @property
+    def regret_blocks(self) -> int:
+        """Removals a regret memory holds (per stream, medium and group): seconds x rate."""
+        return min(int(self.regret_memory_seconds * self.regret_memory_rate), 1 << 26)
 
     @model_validator(mode="after")
     def _tenants_unique(self) -> EnginesConfig:

@@ -43,6 +43,8 @@ from math import copysign
 from typing import Any
 
 from kvwatch.daemon.engines.hashmem import HashMemory, fingerprint
+from kvwatch.daemon.engines.memory_budget import cost
+from kvwatch.daemon.engines.removals import RemovalMemory
 from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN
 from kvwatch.daemon.engines.views import REGRET_BUCKETS, MediumTotals
 from kvwatch.daemon.engines.wire import Hash
@@ -91,7 +93,7 @@ class MediumBlocks:
         self.regret_seconds = 0.0
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
-        self._removed_at = HashMemory(max_removed)  # capacity 0: no regret accounting
+        self._removed_at = RemovalMemory(max_removed)  # capacity 0: no regret accounting
         self._pending: deque[tuple[float, list[int], dict[int, int]]] = deque()  # GPU removals not offloaded yet
         self._pending_n = 0
         self._pending_max = _pending_max(max_stored)
@@ -293,6 +295,15 @@ class MediumBlocks:
         """Hashes held in both memories."""
         return len(self._stored_at) + len(self._removed_at)
 
+    @property
+    def held_bytes(self) -> int:
+        """What the two memories hold, as the node's budget counts it."""
+        return cost(len(self._stored_at), len(self._removed_at))
+
+    def regret_horizon(self, now: float) -> float:
+        """Seconds back from ``now`` (engine time) within which every removal is remembered."""
+        return self._removed_at.horizon(now)
+
     def totals(self) -> MediumTotals:
         return MediumTotals(
             stored=self.stored,
@@ -324,7 +335,7 @@ def _dropped(fps: Sequence[int], lower: Sequence[MediumBlocks]) -> int:
 
 
 def _put(
-    memory: HashMemory,
+    memory: HashMemory | RemovalMemory,
     fps: Sequence[int],
     ts: float,
     marked: set[int],

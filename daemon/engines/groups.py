@@ -207,6 +207,16 @@ class MediumGroups:
     def remembered(self) -> int:
         return sum(g.remembered for g in self.groups.values())
 
+    @property
+    def held_bytes(self) -> int:
+        return sum(g.held_bytes for g in self.groups.values())
+
+    def regret_horizon(self, now: float) -> float:
+        """The reference group's: seconds back from ``now`` within which its removals are all
+        remembered (0 before its first removal)."""
+        g = self.groups.get(self._ref) if self._ref is not None else None
+        return g.regret_horizon(now) if g is not None else 0.0
+
     def drop_all(self) -> None:
         for g in self.groups.values():
             g.drop_all()

@@ -59,7 +59,7 @@ class KVEventHub:
         *,
         thrash_seconds: float = 10.0,
         max_tracked_blocks: int = 1_000_000,
-        regret_memory_blocks: int = 524_288,
+        regret_memory_blocks: int = 12_000_000,
         kv_memory_bytes: int = DEFAULT_BYTES,
         replay_timeout_seconds: float = 2.0,
         max_replay_batches: int = 10_000,

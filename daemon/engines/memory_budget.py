@@ -1,18 +1,21 @@
 """How much the KV event accounting may remember: one budget for the node, shared by its
 streams, and each stream's part split over its media.
 
-A hash memory (``hashmem.py``) costs at most ENTRY_BYTES per entry of its capacity when full:
-23 bytes an entry sealed, 1-2 of bit filter, the open dict's ~110 bytes an entry for at most a
-sixteenth of the capacity; a store-time memory also keeps up to a sixteenth of its capacity of
-hashes held twice and of GPU removals waiting for their offload's judgement (``blocks.py``).
+A medium keeps two memories: store times (``hashmem.py``: at most STORE_BYTES an entry of its
+capacity when full, 23 bytes an entry sealed, 1-2 of bit filter, the open dict's ~110 bytes an
+entry for at most a sixteenth of the capacity, and up to a sixteenth of its capacity of hashes
+held twice and of GPU removals waiting for their offload's judgement, ``blocks.py``) and
+removals (``removals.py``: at most REMOVAL_BYTES an entry, 6.5 bytes in its large segments, 10 in
+its newest, 2 more with tenants, up to 2 of bit filter). A part is in bytes; a medium's bounds
+are entries, so many bytes each.
 
 Per stream (``StreamPlan``): the GPU pool and its first lower tier (the first other medium the
 stream names: vLLM's CPU offload, LMCache's tier) each keep the configured bounds
-(``engines.max_tracked_blocks``, ``engines.regret_memory_blocks``); every further medium shares
-one more such medium's bounds. A medium gives its reference group its bounds and its other
-groups one more such bound between them (``groups.py``), so a publisher that names every medium
-and group it can holds at most three media's worth: 6 x (max_tracked_blocks +
-regret_memory_blocks) entries. That is what a stream *wants*.
+(``engines.max_tracked_blocks``, and ``engines.regret_memory_seconds`` x
+``engines.regret_memory_rate`` removals); every further medium shares one more such medium's
+bounds. A medium gives its reference group its bounds and its other groups one more such bound
+between them (``groups.py``), so a publisher that names every medium and group it can holds at
+most three media's worth: 6 x that medium's bytes. That is what a stream *wants*.
 
 Per node (``MemoryBudget``): the streams that have named a medium share
 ``engines.kv_memory_bytes``, max-min fair by use: each stream is first given what it holds with
@@ -37,8 +40,9 @@ import structlog
 
 log = structlog.get_logger("kvwatch.kv_events")
 
-ENTRY_BYTES = 40  # per entry of capacity, a full hash memory's worst (see above)
-DEFAULT_BYTES = 256 << 20  # engines.kv_memory_bytes' default
+STORE_BYTES = 40  # per entry of a store-time memory's capacity, when full, at worst (see above)
+REMOVAL_BYTES = 11  # per entry of a removal memory's capacity
+DEFAULT_BYTES = 384 << 20  # engines.kv_memory_bytes' default
 DEFAULT_MEDIUM = "GPU"  # stream_counts.DEFAULT_MEDIUM: the GPU pool
 GROWTH = 2  # a stream is first given what it holds times this
 FLOOR_PART = 16  # and at least this part of what it wants
@@ -56,7 +60,7 @@ class Medium(Protocol):
     def grouped(self) -> bool: ...
 
     @property
-    def remembered(self) -> int: ...
+    def held_bytes(self) -> int: ...
 
     def set_bounds(self, bounds: tuple[int, int]) -> None: ...
 
@@ -65,7 +69,7 @@ class MemoryBudget:
     """The node's hash memories: ``nbytes`` shared by the streams that hold any."""
 
     def __init__(self, nbytes: int = DEFAULT_BYTES) -> None:
-        self.entries = max(nbytes // ENTRY_BYTES, 1)
+        self.nbytes = max(nbytes, 1)
         self._plans: list[StreamPlan] = []
         self._told = False  # the budget binding, logged once
 
@@ -84,8 +88,8 @@ class MemoryBudget:
         plans = self._plans
         wants = [p.wanted() for p in plans]
         held = [min(w, max(GROWTH * p.used(), w // FLOOR_PART)) for p, w in zip(plans, wants, strict=True)]
-        first = fair(self.entries, held)
-        more = fair(self.entries - sum(first), [w - a for w, a in zip(wants, first, strict=True)])
+        first = fair(self.nbytes, held)
+        more = fair(self.nbytes - sum(first), [w - a for w, a in zip(wants, first, strict=True)])
         for p, w, a, b in zip(plans, wants, first, more, strict=True):
             if a + b < w:
                 self._binding(a + b, w)
@@ -98,8 +102,8 @@ class MemoryBudget:
             log.warning(
                 "kv event memory budget binds: hash memories scaled down (engines.kv_memory_bytes)",
                 streams=len(self._plans),
-                part_entries=part,
-                wanted_entries=wanted,
+                part_bytes=part,
+                wanted_bytes=wanted,
             )
 
 
@@ -122,9 +126,9 @@ class StreamPlan:
         self.budget = budget
         self.media = media
         self.joined = False
-        self.part = 0  # entries given
-        self.want = 0  # entries it would hold at full bounds
-        self._asked = 0  # entries held when it last asked for more
+        self.part = 0  # bytes given
+        self.want = 0  # bytes it would hold at full bounds
+        self._asked = 0  # bytes held when it last asked for more
 
     def apply(self) -> None:
         """A medium or group named: every stream's part again (the first time, this one joins)."""
@@ -143,11 +147,11 @@ class StreamPlan:
         return wanted(self.bounds, self._shape())
 
     def used(self) -> int:
-        return sum(m.remembered for m in self.media.values())
+        return sum(m.held_bytes for m in self.media.values())
 
-    def allot(self, entries: int, want: int) -> None:
-        self.part, self.want = entries, want
-        for m, b in zip(self.media.values(), split(entries, self.bounds, self._shape()), strict=True):
+    def allot(self, nbytes: int, want: int) -> None:
+        self.part, self.want = nbytes, want
+        for m, b in zip(self.media.values(), split(nbytes, self.bounds, self._shape()), strict=True):
             m.set_bounds(b)
 
     def check(self) -> None:
@@ -181,23 +185,29 @@ def primaries(media: Mapping[str, object]) -> list[bool]:
     return out
 
 
+def cost(stored: int, removed: int) -> int:
+    """The bytes of memories of these many entries (or bounds)."""
+    return stored * STORE_BYTES + removed * REMOVAL_BYTES
+
+
 def _held(bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> list[float]:
-    """Per medium, the entries it holds at full bounds: a medium with more than one group
+    """Per medium, the bytes it holds at full bounds: a medium with more than one group
     twice its bounds; the further media one medium's bounds between them."""
-    unit = bounds[0] + bounds[1]
+    unit = cost(*bounds)
     extras = sum(1 for primary, _ in media if not primary)
     return [(2 if grouped else 1) * (unit if primary else unit / extras) for primary, grouped in media]
 
 
 def wanted(bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> int:
-    """The entries a stream of these media holds at full bounds."""
+    """The bytes a stream of these media holds at full bounds."""
     return round(sum(_held(bounds, media)))
 
 
 def split(part: int, bounds: tuple[int, int], media: Sequence[tuple[bool, bool]]) -> list[tuple[int, int]]:
-    """Each medium's bounds, given per medium whether it is primary and whether it has more than
-    one group. The primary media are scaled to the part if they must; the others share one
-    medium's bounds and are scaled to what the primary media leave of the part."""
+    """Each medium's bounds (entries), from a part in bytes, given per medium whether it is
+    primary and whether it has more than one group. The primary media are scaled to the part if
+    they must; the others share one medium's bounds and are scaled to what the primary media
+    leave of the part."""
     stored, removed = bounds
     held = _held(bounds, media)
     extras = sum(1 for primary, _ in media if not primary)

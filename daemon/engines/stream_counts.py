@@ -91,6 +91,7 @@ class StreamCounts:
             decode_errors=dict(self.errors),
             last_batch_ts=self.last_ts,
             tracked_blocks=sum(m.remembered for m in self.media.values()),
+            regret_horizon={k: m.regret_horizon(self.last_ts) for k, m in self.media.items()} if self.bounds[1] else {},
             extras=dict(self.extras),
             **stream,  # type: ignore[arg-type]
         )

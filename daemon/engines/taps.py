@@ -173,7 +173,7 @@ class EngineTaps:
         self.hub = hub or KVEventHub(
             thrash_seconds=config.thrash_seconds,
             max_tracked_blocks=config.max_tracked_blocks,
-            regret_memory_blocks=config.regret_memory_blocks,
+            regret_memory_blocks=config.regret_blocks,
             kv_memory_bytes=config.kv_memory_bytes,
             replay_timeout_seconds=config.replay_timeout_seconds,
             clock=clock,

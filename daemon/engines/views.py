@@ -147,6 +147,8 @@ class StreamStats:
     tenants: Mapping[str, Mapping[str, MediumTotals]] = field(default_factory=dict)
     tenants_overflow: int = 0  # distinct tenants past the stream's cap, counted as other
     abandoned: int = 0  # of the lost, given up unasked: more awaited replay than the replay buffer holds
+    # medium -> seconds of removals remembered back from the last batch (none: regret memory off)
+    regret_horizon: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +280,16 @@ class EngineView:
         for s in self.streams:
             for name, m in s.media.items():
                 out[name] = out.get(name, MediumTotals()) + m
+        return out
+
+    @property
+    def regret_horizon(self) -> dict[str, float]:
+        """Per medium, the shortest of its streams' regret horizons: regrets of removals younger
+        than this are all counted, on every data-parallel rank."""
+        out: dict[str, float] = {}
+        for s in self.streams:
+            for name, h in s.regret_horizon.items():
+                out[name] = min(out.get(name, h), h)
         return out
 
     @property

@@ -371,12 +371,16 @@ ROWS: list[tuple[str, list[Graph]]] = [
                 ],
             ),
             Graph(
-                "Regret ratio, time to store again",
+                "Regret ratio, time to store again, seconds of removals remembered",
                 "short",
                 [
                     (total("kvwatch_kv_regret_ratio", f"{BY_PROC}, medium"), "{{pid}} regretted/removed {{medium}}"),
                     (quantile(0.5, "kvwatch_kv_regret_seconds", "pid, medium"), "p50 s {{pid}} {{medium}}"),
                     (quantile(0.99, "kvwatch_kv_regret_seconds", "pid, medium"), "p99 s {{pid}} {{medium}}"),
+                    (
+                        total("kvwatch_kv_regret_horizon_seconds", f"{BY_PROC}, medium"),
+                        "horizon s {{pid}} {{medium}}",
+                    ),
                 ],
             ),
             Graph(

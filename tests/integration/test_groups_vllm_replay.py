@@ -39,7 +39,8 @@ CONFIG = (
 endpoints = [{{ cmdline = "{marker}", kv_events = "{kv}", metrics_url = "{url}", engine = "vllm" }}]
 # every removal of the window remembered in every group: the five sliding-window groups share one
 # regret memory between them (221,000 removals each here), the full-attention group has its own
-regret_memory_blocks = 1_200_000
+regret_memory_seconds = 60
+regret_memory_rate = 20_000
 [detectors.eviction_burst]          # as the H200 run had them (tests/gpu/validate_groups.py)
 warmup_seconds = 0
 baseline_min_seconds = 30

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.memory_budget import ENTRY_BYTES
+from kvwatch.daemon.engines.memory_budget import cost
 from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
@@ -17,7 +17,7 @@ from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from tests.support.daemon import free_port, wait_until
 
 S, R = 4096, 4096  # one group's bounds: a stream of one GPU group holds at most S + R
-BUDGET = 3 * (S + R) // 2  # entries: one and a half stream's worth
+BUDGET = 3 * (S + R) // 2  # entries: one and a half stream's worth (both memories scale alike)
 
 
 @contextlib.contextmanager
@@ -54,7 +54,7 @@ def forgotten(s: StreamStats) -> int:
 
 
 def test_streams_share_the_budget_and_give_it_back() -> None:
-    hub = KVEventHub(max_tracked_blocks=S, regret_memory_blocks=R, kv_memory_bytes=BUDGET * ENTRY_BYTES)
+    hub = KVEventHub(max_tracked_blocks=S, regret_memory_blocks=R, kv_memory_bytes=3 * cost(S, R) // 2)
     hub.start()
     try:
         with streams(hub, 2) as [(a, pub_a), (b, pub_b)]:

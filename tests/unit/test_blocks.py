@@ -146,7 +146,8 @@ def test_hash_memory_bytes_hashes_and_puts_again() -> None:
 
 def test_real_run_regrets_need_the_default_memory() -> None:
     """The real vLLM run's hot prefixes came back after ~385,000 removals: the default memory
-    holds them (480 regrets), a quarter of it forgets them all (and says how many it forgot)."""
+    holds them (480 regrets), a memory of 100,000 removals forgets them all (and says how many it
+    forgot)."""
     with gzip.open(REAL_RUN, "rt") as f:
         batches = json.load(f)["batches"]
     default = EnginesConfig()
@@ -162,8 +163,8 @@ def test_real_run_regrets_need_the_default_memory() -> None:
                         m.remove(ids, ts, ts - 10)
         return m.totals().regretted, m.totals().removals_forgotten
 
-    assert regretted(default.regret_memory_blocks) == (480, 0)
-    small, forgotten = regretted(default.regret_memory_blocks // 4)
+    assert regretted(default.regret_blocks) == (480, 0)
+    small, forgotten = regretted(100_000)
     assert small < 480 and forgotten > 0
 
 

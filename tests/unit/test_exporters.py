@@ -100,6 +100,7 @@ def _stream(rank: int, gpu: MediumTotals, **kw: object) -> StreamStats:
         "last_batch_ts": 999.0,
         "last_message_at": 49.0,
         "tracked_blocks": 10,
+        "regret_horizon": {"GPU": 900.0 - 300.0 * rank},  # the engine's: the shorter, rank 1's
     }
     fields.update(kw)
     return StreamStats(spec=spec, **fields)  # type: ignore[arg-type]
@@ -138,9 +139,7 @@ def hybrid(gpu: MediumTotals, sliding: MediumTotals, cpu: MediumTotals | None = 
 
 def engine_view() -> EngineView:
     return EngineView(
-        plan=EnginePlan(
-            "4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics", refused={"kv_event_streams": 44}
-        ),
+        plan=EnginePlan("4242@77", 4242, metrics_url="http://127.0.0.1:8000/metrics", refused={"kv_event_streams": 44}),
         streams=(
             _stream(
                 0,

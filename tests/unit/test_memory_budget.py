@@ -22,8 +22,8 @@ from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_STREAM_GROUPS
 from kvwatch.daemon.engines.memory_budget import (
     DEFAULT_BYTES,
-    ENTRY_BYTES,
     MemoryBudget,
+    cost,
     fair,
     primaries,
     split,
@@ -100,7 +100,8 @@ def test_a_publisher_naming_every_medium_and_group_cannot_multiply_its_memory() 
 
 
 def test_streams_share_the_node_budget_and_a_shrink_is_counted() -> None:
-    budget = MemoryBudget(3 * (S + R) // 2 * ENTRY_BYTES)  # one and a half stream's worth
+    budget = MemoryBudget(3 * cost(S, R) // 2)  # one and a half stream's worth
+    entries = 3 * (S + R) // 2  # as many entries (both memories scale alike)
     a = StreamCounts((S, R), 5.0, budget=budget)
     fill(a, "GPU", 0, 1 << 40, S + R)
     ref = a.media["GPU"].groups[0]
@@ -111,20 +112,20 @@ def test_streams_share_the_node_budget_and_a_shrink_is_counted() -> None:
     assert ref.bounds == (S, R) and forgotten(a) == kept
     fill(b, "GPU", 0, 1 << 42, S + R)  # b fills: a's memories shrink to an equal share at once
     held = [tracked(c) for c in (a, b)]
-    assert sum(held) <= budget.entries, held
-    assert held[0] <= budget.entries // 2 and sum(ref.bounds) <= budget.entries // 2
+    assert sum(held) <= entries, held
+    assert held[0] <= entries // 2 and sum(ref.bounds) <= entries // 2
     assert forgotten(a) - kept == before - held[0]  # every entry the shrink dropped counted
     assert_honest(a)
     assert_honest(b)
     b.close()  # gone: its part back to a
     fill(a, "GPU", 0, 1 << 43, S + R, ts=2.0)
-    assert ref.bounds == (S, R) and ref.remembered > budget.entries // 2
+    assert ref.bounds == (S, R) and ref.remembered > entries // 2
     assert_honest(a)
 
 
 def test_the_memory_keys_are_bounded() -> None:
     """A bound past what any node could hold is a mistake said at start-up, not an out-of-memory."""
-    for key in ("max_tracked_blocks", "regret_memory_blocks", "kv_memory_bytes"):
+    for key in ("max_tracked_blocks", "regret_memory_seconds", "regret_memory_rate", "kv_memory_bytes"):
         with pytest.raises(ValidationError, match=key):
             EnginesConfig(**{key: 10**14})
     assert EnginesConfig().kv_memory_bytes == DEFAULT_BYTES
@@ -136,13 +137,13 @@ def test_the_pool_and_its_lower_tier_keep_their_bounds_first() -> None:
     one, grouped = (True, False), (True, True)
     extra = (False, False)
     shape = [grouped, one, extra, extra]
-    assert wanted((S, R), shape) == 4 * (S + R)
-    assert split(10 * (S + R), (S, R), shape) == [(S, R), (S, R), (S // 2, R // 2), (S // 2, R // 2)]
-    tight = split(3 * (S + R) + (S + R) // 2, (S, R), shape)
+    assert wanted((S, R), shape) == 4 * cost(S, R)
+    assert split(10 * cost(S, R), (S, R), shape) == [(S, R), (S, R), (S // 2, R // 2), (S // 2, R // 2)]
+    tight = split(3 * cost(S, R) + cost(S, R) // 2, (S, R), shape)
     assert tight[:2] == [(S, R), (S, R)] and tight[2] == tight[3] == (S // 4, R // 4)  # half of what they want
-    scarce = split(S + R, (S, R), [grouped, one, extra])
+    scarce = split(cost(S, R), (S, R), [grouped, one, extra])
     assert scarce == [(S // 3, R // 3), (S // 3, R // 3), (1, 1)]  # the primary media scaled, the rest at 1
-    assert split(S + R, (S, 0), [one]) == [(S, 0)]  # a memory turned off stays off
+    assert split(cost(S, R), (S, 0), [one]) == [(S, 0)]  # a memory turned off stays off
     assert primaries({"CPU": 0, "GPU": 0, "disk": 0, "other": 0}) == [True, True, False, False]
 
 
