@@ -26,7 +26,6 @@ from kvwatch.daemon.engines.audit import Evidence, MetricAudit, audit_settings
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.losses import account_losses, account_oom
 from kvwatch.daemon.engines.taps import EngineTaps
-from kvwatch.daemon.engines.tenant_view import TenantViews
 from kvwatch.daemon.families.cost import SelfCost, account_self_cost, calibrate_in_background
 from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
 from kvwatch.daemon.families.memory import MemoryFamily
@@ -104,7 +103,6 @@ class Agent:
         self.detectors = build_detectors(config.detectors, self.link_bytes_per_second)
         self.engines = engines
         self.losses = LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds)
-        self.tenant_views = TenantViews(config.engines.tenant_top_k)
         self.audit = MetricAudit(audit_settings(config.detectors.engine_metric_divergence))
         self.self_cost = SelfCost(config.self_cost)
         self.canary = canary  # times a probed call at start (probes/selfcost.py)
@@ -396,12 +394,12 @@ class Agent:
                 block_bytes=self.losses.block_bytes,
                 losses={t.key: self.losses.rows(t.key) for t in tracked},
                 audit=self.audit.rows,
-                tenants=lambda key, ev: self.tenant_views.view(key, ev, self.losses.tenant_rows(key)),
+                # folded by the taps' fold of the process, the one its KVTenantThrash series use
+                tenants=lambda k, ev: engines.tenants.view(k, ev, self.losses.tenant_rows(k)) if engines else None,
                 costs=lambda key, pid: self.self_cost.costs(key, shed(pid)),
                 gpu_used=self.gpu_used,
             ),
         )
-        self.tenant_views.keep(t.key for t in tracked)
         lost = {**self.memory_family.lost(), "exec_hints_dropped": self.tracker.stats.hints_dropped}
         for f in self.families:
             lost.update(f.lost())

@@ -284,7 +284,7 @@ class EnginesConfig(_Section):
     # Tenants (cache salts, LoRA adapters) named by hand; an unnamed salt is exported as a keyed
     # hash ("salt-" + 8 hex), the key kept in tenant_key_file so that names survive restarts.
     tenants: Annotated[list[TenantRule], Field(max_length=1024)] = []
-    tenant_top_k: Annotated[int, Field(ge=1, le=256)] = 8  # per engine; the rest count as "other"
+    tenant_top_k: Annotated[int, Field(ge=1, le=256)] = 8  # per engine process, metrics and alerts alike; rest: "other"
     tenant_key_file: Path = Path("/var/lib/kvwatch/tenant.key")
 
     @property

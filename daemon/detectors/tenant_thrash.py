@@ -14,8 +14,10 @@ Per engine process and tenant of its GPU pool (``engines/tenants.py``; the serie
   ``baseline_min_seconds`` (the baselines learn a tenant's normal regrets); a prefix-cache reset
   or sleep (AllBlocksCleared) is intentional: not judged in that window.
 
-``unknown`` (blocks whose tenant the stream could not tell) is never a victim nor an aggressor;
-``other`` (tenants past the top-K) may be either: the finding then names ``other``.
+The tenants judged are the labels of the process's one tenant fold (``engines/tenant_view.py``),
+the fold the exported tenant rows use: a finding names a tenant /metrics shows by name, or
+``other``. ``unknown`` (blocks whose tenant the stream could not tell) is never a victim nor an
+aggressor; ``other`` (the tenants past ``engines.tenant_top_k``, together) may be either.
 
 One finding per (process, victim), its subject the process's with ``/tenant:NAME``; it names the
 aggressor (kept while it fires), both tenants' shares of the window's stores and evictions, and

@@ -20,6 +20,7 @@ from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
+from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer, load_key
 from kvwatch.daemon.engines.views import (
     TIER_COUNTERS,
@@ -27,7 +28,6 @@ from kvwatch.daemon.engines.views import (
     EngineSample,
     EngineView,
     GroupTotals,
-    MediumTotals,
     ScrapeTarget,
     StreamSpec,
     StreamStats,
@@ -40,7 +40,6 @@ from kvwatch.daemon.tracker import Tracked
 log = structlog.get_logger("kvwatch.engine_taps")
 
 REPLAN_SECONDS = 30.0
-MAX_TENANT_SERIES = 32  # per process: the pool's busiest tenants, the rest as other
 MAX_FAMILY_DEPTH = 8
 
 
@@ -77,22 +76,17 @@ def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dic
                 window_group.setdefault(g.medium, g)
         for medium, g in window_group.items():  # a hybrid model's first window-bounded group
             add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
-        for name, m in _busiest(s.tenants.get("GPU", {})).items():  # the pool's tenants
-            add(f"{sn.KV_TENANT_STORED}{name}", m.stored)
-            add(f"{sn.KV_TENANT_REMOVED}{name}", m.removed)
-            add(f"{sn.KV_TENANT_REGRETTED}{name}", m.regretted)
     return values, gauges
 
 
-def _busiest(tenants: Mapping[str, MediumTotals]) -> dict[str, MediumTotals]:
-    """At most MAX_TENANT_SERIES tenants by blocks stored and removed, the rest summed as other:
-    a bound on the series a process keeps (a tenant moving in or out restarts its series)."""
-    if len(tenants) <= MAX_TENANT_SERIES:
-        return dict(tenants)
-    ranked = sorted(tenants, key=lambda n: (-(tenants[n].stored + tenants[n].removed), n))
-    out = {n: tenants[n] for n in ranked[: MAX_TENANT_SERIES - 1] if n != "other"}
-    rest = [tenants[n] for n in tenants if n not in out]
-    out["other"] = sum(rest, MediumTotals())
+def tenant_series(pool: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The GPU pool's per-tenant series of a process, one per label of its fold
+    (``TenantFolds.pool``): the tenants its exported rows name, and ``other``."""
+    out: dict[str, float] = {}
+    for label, v in pool.items():
+        out[f"{sn.KV_TENANT_STORED}{label}"] = v.get("stored", 0.0)
+        out[f"{sn.KV_TENANT_REMOVED}{label}"] = v.get("removed", 0.0)
+        out[f"{sn.KV_TENANT_REGRETTED}{label}"] = v.get("regretted", 0.0)
     return out
 
 
@@ -189,6 +183,9 @@ class EngineTaps:
         self._planned: dict[str, _Planned] = {}
         self._stats: dict[StreamSpec, StreamStats] = {}
         self._scrapes: dict[ScrapeTarget, TargetState] = {}
+        # one tenant fold per tapped process: the detectors' series here and the snapshot's view
+        # (``tenants.view``) read the same, so an alert names only tenants the exporters label
+        self.tenants = TenantFolds(config.tenant_top_k)
         # per tapped process, this tick: every process of the engine has its copy probes attached
         self.copy_probes: dict[str, bool] = {}
 
@@ -205,6 +202,7 @@ class EngineTaps:
         alive = {t.key: t for t in tracked if t.exited_at is None}
         for key in [k for k in self._planned if k not in alive]:
             del self._planned[key]
+        self.tenants.keep(alive)
         for key, t in alive.items():
             p = self._planned.get(key)
             if p is None or (p.plan is not None and p.plan.notes and now - p.at > REPLAN_SECONDS):
@@ -320,6 +318,7 @@ class EngineTaps:
         gauges: dict[str, float] = {}
         if streams:
             values, gauges = stream_series(streams)
+            values.update(tenant_series(self.tenants.pool(t.key, streams)))
             t.series.add(now, values)
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None

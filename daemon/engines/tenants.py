@@ -15,8 +15,9 @@ never leaves this module, only names do. The node key is generated once and kept
 (``engines.tenant_key_file``), so that a salt keeps its name across restarts.
 
 Cardinality: a stream interns at most MAX_TENANTS names (the rest count as ``other``); an engine
-exports its first ``tenant_top_k`` tenants by activity under their own name, for as long as it
-runs (``TenantFold``), and the rest under ``other``, which only ever grows.
+process has one ``TenantFold``: its first ``tenant_top_k`` tenants by activity keep their own
+name for as long as it runs, and the rest are counted under ``other``, which only ever grows. The
+detectors' series and the exported rows are both folded by it (``tenant_view.py``).
 """
 
 from __future__ import annotations
@@ -245,12 +246,13 @@ K = TypeVar("K")
 
 
 class TenantFold:
-    """One engine's tenants folded to at most ``top_k`` own labels plus the reserved ones.
+    """One engine process's tenants folded to at most ``top_k`` own labels plus the reserved ones.
 
     A tenant keeps its label from its first fold while the engine runs, and a tenant folded into
     ``other`` stays there: every series is monotonic, and the labels always sum to the engine's
     totals. Free labels go to the most active tenants (``activity``) at the fold that first sees
-    them."""
+    them. Whatever is folded by the same fold (the detectors' series, the exported rows) carries
+    the same labels."""
 
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k

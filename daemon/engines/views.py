@@ -3,7 +3,7 @@ these, never the subscriber, scraper or planner that fill them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -149,6 +149,17 @@ class StreamStats:
     abandoned: int = 0  # of the lost, given up unasked: more awaited replay than the replay buffer holds
     # medium -> seconds of removals remembered back from the last batch (none: regret memory off)
     regret_horizon: Mapping[str, float] = field(default_factory=dict)
+
+
+def tenants_by_medium(streams: Iterable[StreamStats]) -> dict[str, dict[str, MediumTotals]]:
+    """Per medium and tenant name, the streams' logical counts summed (an engine's data-parallel ranks)."""
+    out: dict[str, dict[str, MediumTotals]] = {}
+    for s in streams:
+        for medium, by in s.tenants.items():
+            into = out.setdefault(medium, {})
+            for name, m in by.items():
+                into[name] = into.get(name, MediumTotals()) + m
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,13 +316,7 @@ class EngineView:
     @property
     def tenants(self) -> dict[str, dict[str, MediumTotals]]:
         """Per medium and tenant, the logical blocks' totals summed over data-parallel ranks."""
-        out: dict[str, dict[str, MediumTotals]] = {}
-        for s in self.streams:
-            for medium, by in s.tenants.items():
-                into = out.setdefault(medium, {})
-                for name, m in by.items():
-                    into[name] = into.get(name, MediumTotals()) + m
-        return out
+        return tenants_by_medium(self.streams)
 
     @property
     def extras(self) -> dict[str, int]:

@@ -12,7 +12,8 @@ from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, plan_from_cmdline
 from kvwatch.daemon.engines.reach import Reach, local_ipv4
-from kvwatch.daemon.engines.taps import MAX_TENANT_SERIES, EngineTaps, stream_series
+from kvwatch.daemon.engines.taps import EngineTaps, tenant_series
+from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
@@ -333,16 +334,21 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
     assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_family_tapped") == 0.0
 
 
-def test_tenant_series_are_bounded_and_add_up() -> None:
-    """A pool with more tenants than MAX_TENANT_SERIES: the busiest keep their series, the rest
-    are one, and the stores still add up to the pool's."""
+def test_tenant_series_are_the_folds_labels_and_add_up() -> None:
+    """A pool with more tenants than engines.tenant_top_k: the busiest keep their series, the rest
+    are other's, and the stores still add up to the pool's, over data-parallel ranks."""
     tenants = {f"salt-{i:08x}": MediumTotals(stored=i + 1, removed=i) for i in range(40)}
-    st = StreamStats(
-        spec=StreamSpec("tcp://127.0.0.1:1"), connected=True, batches=1, events=1, media={}, cleared=0, gaps=0,
-        missed=0, replayed=0, lost=0, decode_errors={}, restarts=0, replay_requests=0, last_seq=0,
-        last_batch_ts=0.0, last_message_at=0.0, tracked_blocks=0, tenants={"GPU": tenants},
-    )  # fmt: skip
-    values, _ = stream_series([st])
+
+    def rank(r: int) -> StreamStats:
+        return StreamStats(
+            spec=StreamSpec(f"tcp://127.0.0.1:{r + 1}"), connected=True, batches=1, events=1, media={}, cleared=0,
+            gaps=0, missed=0, replayed=0, lost=0, decode_errors={}, restarts=0, replay_requests=0, last_seq=0,
+            last_batch_ts=0.0, last_message_at=0.0, tracked_blocks=0, tenants={"GPU": tenants},
+        )  # fmt: skip
+
+    streams = [rank(0), rank(1)]
+    values = tenant_series(TenantFolds(EnginesConfig().tenant_top_k).pool("7@1", streams))
     stored = {k: v for k, v in values.items() if k.startswith(sn.KV_TENANT_STORED)}
-    assert len(stored) == MAX_TENANT_SERIES and sum(stored.values()) == sum(range(1, 41))
+    assert len(stored) == EnginesConfig().tenant_top_k + 1 and sum(stored.values()) == 2 * sum(range(1, 41))
     assert f"{sn.KV_TENANT_STORED}salt-00000027" in stored and f"{sn.KV_TENANT_STORED}salt-00000000" not in stored
+    assert stored[f"{sn.KV_TENANT_STORED}other"] == 2 * sum(range(1, 33))

@@ -15,7 +15,8 @@ from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.stream_counts import StreamCounts
-from kvwatch.daemon.engines.taps import stream_series
+from kvwatch.daemon.engines.taps import stream_series, tenant_series
+from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.engine_sim_pool import BlockPool, Scheduler
@@ -39,6 +40,7 @@ class Engine:
         default_factory=lambda: StreamCounts((100_000, 100_000), 10.0, TenantNamer(RULES, b"k"))
     )
     series: SeriesSet = field(default_factory=SeriesSet)
+    folds: TenantFolds = field(default_factory=lambda: TenantFolds(8))
     detector: TenantThrash = field(default_factory=lambda: TenantThrash(CFG))
     t: float = 0.0
     unique: int = 0
@@ -65,6 +67,7 @@ class Engine:
             replay_requests=0, last_seq=0, last_message_at=0.0,
         )  # fmt: skip
         values, gauges = stream_series([stats])
+        values.update(tenant_series(self.folds.pool(SUBJECT.key, [stats])))
         self.series.add(self.t, values)
         self.series.set_gauges(gauges)
         view = NodeView(self.t, {SUBJECT.key: ProcessWindow(SUBJECT, self.t, self.series)}, {})
