@@ -83,6 +83,8 @@ class PreemptionLivelockConfig(DetectorCommon):
 
 
 class TenantThrashConfig(DetectorCommon):
+    # An engine's start holds no tenant's regrets; each victim's baseline_min_seconds is its warm-up.
+    warmup_seconds: NonNegFloat = 0.0
     window_seconds: PositiveFloat = 10.0
     factor: Annotated[float, Field(ge=1)] = 5.0  # the victim's regrets/s over its own baseline
     floor_regretted_per_second: NonNegFloat = 5.0  # GPU blocks; below this no tenant is a victim

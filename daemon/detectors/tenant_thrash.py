@@ -10,9 +10,17 @@ Per engine process and tenant of its GPU pool (``engines/tenants.py``; the serie
   pool's stores in the window, and more than the victim's own. A tenant that evicts its own
   blocks (its own stores dominate) is no victim of anyone; a pool with one tenant storing is
   not shared, and nothing fires;
-* judged once the pool stored ``min_stored_blocks`` in the window, after ``warmup_seconds`` +
-  ``baseline_min_seconds`` (the baselines learn a tenant's normal regrets); a prefix-cache reset
-  or sleep (AllBlocksCleared) is intentional: not judged in that window.
+* judged once the pool stored ``min_stored_blocks`` in the window and the victim has been seen
+  for ``baseline_min_seconds`` (after the process's ``warmup_seconds``, 0 by default: an
+  engine's start holds no tenant's regrets); a prefix-cache reset or sleep (AllBlocksCleared)
+  is intentional: not judged in that window.
+
+The victim's baselines learn its normal regrets from every window that is not thrash evidence.
+Evidence (regrets at the bar while another tenant dominates the stores) is never learnt once the
+victim's baseline is known, firing or not yet: a flood is not the new normal because it began
+early, nor because it takes ``confirm_windows`` to confirm. What a victim already suffered before
+its baseline was known is its normal: kvwatch cannot tell a standing arrangement it never saw
+begin from a flood.
 
 The tenants judged are the labels of the process's one tenant fold (``engines/tenant_view.py``),
 the fold the exported tenant rows use: a finding names a tenant /metrics shows by name, or
@@ -42,8 +50,9 @@ NEVER = frozenset({"unknown"})  # neither victim nor aggressor
 @dataclass(slots=True)
 class _Victim:
     hysteresis: Hysteresis
-    rate: Baseline  # regretted blocks/s, learnt while it does not fire
+    rate: Baseline  # regretted blocks/s, learnt from windows that are not evidence
     ratio: Baseline  # regretted / stored
+    seen_at: float  # when the detector first saw the tenant: its baseline is known baseline_min_seconds on
     aggressor: str = ""
 
 
@@ -94,8 +103,7 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
         c = self.config
         win = _window(p.series, c.window_seconds)
         intentional = p.series.delta(sn.KV_CLEARED, c.window_seconds) > 0
-        judged = p.age >= c.warmup_seconds + c.baseline_min_seconds and not intentional
-        judged = judged and win.pool_stored >= c.min_stored_blocks and win.seconds > 0
+        measured = not intentional and win.pool_stored >= c.min_stored_blocks and win.seconds > 0
         out = []
         for name in sorted((win.stored.keys() | st.victims.keys()) - NEVER):
             v = st.victims.get(name)
@@ -104,8 +112,10 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
                     Hysteresis(c.confirm_windows, c.clear_windows),
                     Baseline(c.baseline_half_life_seconds),
                     Baseline(c.baseline_half_life_seconds),
+                    seen_at=now,
                 )
-            out.append(self._judge_victim(key, p, name, v, win=win, judged=judged, now=now))
+            known = p.age >= c.warmup_seconds and now - v.seen_at >= c.baseline_min_seconds
+            out.append(self._judge_victim(key, p, name, v, win=win, measured=measured, known=known, now=now))
         return out
 
     def _aggressor(self, win: _Window, victim: str) -> str:
@@ -117,28 +127,38 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
         return name if dominant and stored > win.stored.get(victim, 0.0) else ""
 
     def _judge_victim(
-        self, key: str, p: ProcessWindow, name: str, v: _Victim, *, win: _Window, judged: bool, now: float
+        self,
+        key: str,
+        p: ProcessWindow,
+        name: str,
+        v: _Victim,
+        *,
+        win: _Window,
+        measured: bool,
+        known: bool,
+        now: float,
     ) -> Finding:
         c = self.config
         regretted, stored = win.regretted.get(name, 0.0), win.stored.get(name, 0.0)
         rate = regretted / win.seconds if win.seconds > 0 else 0.0
         ratio = regretted / stored if stored > 0 else 0.0
         bar = threshold(v.rate.value, c.factor, c.floor_regretted_per_second)
-        aggressor = self._aggressor(win, name) if judged else ""
-        hot = judged and rate >= bar and bool(aggressor)
-        cool = not judged or rate < bar / 2 or not aggressor
-        firing, changed = v.hysteresis.step(hot, cool, now)
+        aggressor = self._aggressor(win, name) if measured else ""
+        evidence = known and measured and rate >= bar and bool(aggressor)
+        cool = not (known and measured) or rate < bar / 2 or not aggressor
+        firing, changed = v.hysteresis.step(evidence, cool, now)
         if firing:
-            v.rate.hold(now)
-            v.ratio.hold(now)
             if changed or not v.aggressor:
                 v.aggressor = aggressor
         else:
             v.aggressor = ""
-            if judged or p.age < c.warmup_seconds + c.baseline_min_seconds:
-                v.rate.update(rate, now)
-                if stored > 0:
-                    v.ratio.update(ratio, now)
+        if firing or evidence or not measured:
+            v.rate.hold(now)
+            v.ratio.hold(now)
+        else:
+            v.rate.update(rate, now)
+            if stored > 0:
+                v.ratio.update(ratio, now)
         return self._finding(key, p, name, v, win=win, firing=firing, rate=rate, ratio=ratio)
 
     def _finding(

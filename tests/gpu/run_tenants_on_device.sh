@@ -11,7 +11,8 @@
 # .vllm-bundle (../shared/gpu/vllm/make-vllm-bundle, and its make_tiny_model.py copied beside the
 # parts), and kvwatch's wheels for Python 3.12 that the machine lacks in .whl.
 # DEADLINE (default 500 s) bounds validate_tenants.py, vLLM's start included; LORA=0 leaves the
-# adapters out, SELFTHRASH=0 the last phase.
+# adapters out, SELFTHRASH=0 the last phase; SCENARIO=issue36 (three salted tenants, a 60 s flood),
+# CPU_TIER=GiB (vLLM's CPU offload tier), DEFAULTS=1 (kvwatch's detectors at their defaults).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -51,6 +52,10 @@ print("adapter ok:", len(keys), "tensors,", keys[0], tuple(t.shape), t.dtype)' |
         flags=()
         [ "${LORA:-1}" = 0 ] && flags+=(--no-lora)
         [ "${SELFTHRASH:-1}" = 0 ] && flags+=(--no-selfthrash)
+        # issue 36: SCENARIO=issue36 CPU_TIER=GiB DEFAULTS=1 (kvwatch's detectors at their defaults)
+        [ -n "${SCENARIO:-}" ] && flags+=(--scenario "$SCENARIO")
+        [ -n "${CPU_TIER:-}" ] && flags+=(--cpu-tier "$CPU_TIER")
+        [ "${DEFAULTS:-0}" = 1 ] && flags+=(--defaults)
         .gpu-bundle/with-bcc python3 tests/gpu/validate_tenants.py --out "$out" --deadline "${DEADLINE:-500}" "${flags[@]}" 2>&1 \
             | tee /tmp/validate_tenants.log | tail -80
         ;;

@@ -82,11 +82,13 @@ def label_map(mine: dict[tuple[str, str], dict[str, float]]) -> tuple[dict[str, 
     return ({UNNAMED_SALT: hashed[0]} if len(hashed) == 1 else {}), hashed
 
 
-def closure(counts: dict[str, Any], kv: list[Sample], api: str) -> dict[str, Any]:
+def closure(counts: dict[str, Any], kv: list[Sample], api: str, rename: dict[str, str] | None = None) -> dict[str, Any]:
     """Per tenant and medium, every field: kvwatch's against the subscriber's; the tenants' sums
-    against kvwatch's per-medium totals; batches, gaps."""
+    against kvwatch's per-medium totals; batches, gaps. ``rename``: the subscriber's placeholders
+    -> kvwatch's labels, where the run knows them (else its one unnamed salt's)."""
     mine = kvwatch_tenants(kv, api)
     names, hashed = label_map(mine)
+    names = rename if rename is not None else names
     theirs: dict[tuple[str, str], dict[str, int]] = {}
     for key, row in counts.get("tenants", {}).items():
         medium, tenant = key.split("|", 1)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
+import hmac
 import json
 import shutil
 import sys
@@ -60,6 +62,7 @@ class Tenant:
     salt: str | None = None
     adapter: str | None = None
     named: bool = True  # in kvwatch's [[engines.tenants]]
+    by_sha256: bool = False  # named there by the salt's SHA-256, not the salt
 
 
 TENANTS = {
@@ -70,6 +73,12 @@ TENANTS = {
     "y": Tenant("lora:lora-y", adapter="lora-y", named=False),
 }
 ADAPTERS = ("x", "y")
+# issue 36: three salted tenants, one named by its salt's SHA-256 and two unnamed, no adapters
+TENANTS_36 = {
+    "a": Tenant("tenant-a", salt="salt-tenant-a", by_sha256=True),
+    "c": Tenant("salt-*", salt="salt-tenant-c", named=False),
+    "d": Tenant("salt-*", salt="salt-tenant-d", named=False),
+}
 
 
 A_HOT = Workload("hot", clients=4, hot=32)  # 640 blocks of hot prefixes, reused every ~second
@@ -82,6 +91,18 @@ SOLO = {"a": A_HOT, "c": C_LIGHT, "x": ADAPTER, "y": ADAPTER}
 NOISY = {**SOLO, "b": B_FLOOD}
 RECOVER = {"a": A_HOT}
 SELFTHRASH = {"a": A_SELF}
+C_HOT = Workload("hot", clients=2, hot=16)  # issue 36's second steady hot tenant
+D_FLOOD = Workload("unique", clients=24, unique_tokens=1024)  # issue 36's flooder
+PLANS = {
+    "issue24": {"solo": SOLO, "noisy": NOISY, "recover": RECOVER, "selfthrash": SELFTHRASH},
+    "issue36": {
+        "solo": {"a": A_HOT, "c": C_HOT},
+        "noisy": {"a": A_HOT, "c": C_HOT, "d": D_FLOOD},
+        "recover": {"a": A_HOT, "c": C_HOT},
+        "selfthrash": SELFTHRASH,
+    },
+}
+AGGRESSOR = {"issue24": "b", "issue36": "d"}
 
 
 def known(path: str) -> bool:
@@ -102,6 +123,8 @@ def config_toml(tenants: dict[str, Tenant], key_file: Path) -> str:
     for t in tenants.values():
         if t.named:
             which = f'salt = "{t.salt}"' if t.salt else f'lora = "{t.adapter}"'
+            if t.by_sha256 and t.salt:
+                which = f'salt_sha256 = "{hashlib.sha256(t.salt.encode()).hexdigest()}"'
             lines += ["[[engines.tenants]]", f'name = "{t.name}"', which, ""]
     return "\n".join(lines)
 
@@ -112,7 +135,9 @@ class TenantRun:
         self.out: Path = args.out
         self.t0 = time.monotonic()
         self.st = State(engine=args.engine)
-        self.tenants = {k: t for k, t in TENANTS.items() if args.lora or k not in ADAPTERS}
+        self.all_tenants = TENANTS_36 if args.scenario == "issue36" else TENANTS
+        self.tenants = {k: t for k, t in self.all_tenants.items() if args.lora or k not in ADAPTERS}
+        self.labels: dict[str, str] = {}  # tenant key -> kvwatch's label
         self.results: dict[str, Any] = {"phases": {}, "lora": {"requested": args.lora}, "config": {}}
         self.pid = self.sub_pid = 0
         self.loads: dict[str, Load] = {}
@@ -145,8 +170,9 @@ class TenantRun:
             self.loads[k] = Load("127.0.0.1", PORT, t.adapter or SERVED, seed=self.args.seed + ord(k), extra=extra)
 
     def start_kvwatch(self) -> None:
-        sets = [s for s in SETS if known(s.split("=", 1)[0])]
-        dropped = [s for s in SETS if s not in sets]
+        wanted = [x for x in SETS if x.startswith("discovery.")] if self.args.defaults else list(SETS)
+        sets = [s for s in wanted if known(s.split("=", 1)[0])]
+        dropped = [s for s in wanted if s not in sets]
         if dropped:
             self.st.note(f"kvwatch's config has no {', '.join(s.split('=')[0] for s in dropped)}: not set")
         toml = WORK / "kvwatch.toml"
@@ -164,9 +190,26 @@ class TenantRun:
         self.st.pids["kvwatch"] = pid = start_session(argv, WORK / "kvwatch.log", cwd=WORK)
         self.st.mark("kvwatch_ready", pid=pid, seconds=round(wait_until(kvwatch_ready, 120, "kvwatch /readyz"), 1))
 
+    def unnamed_labels(self) -> dict[str, str]:
+        """Each unnamed salt's placeholder (``salt-*`` and its tenant's key) -> the label kvwatch
+        gives it by its documented rule ("salt-" and 8 hex of HMAC-SHA256(node key, salt)), from
+        the key kvwatch made when it first saw a salt: so each unnamed salt is counted apart."""
+        try:
+            key = (WORK / "tenant.key").read_bytes()
+        except OSError as err:
+            self.st.note(f"no tenant key to name unnamed salts with: {err!r}")
+            return {}
+        return {
+            f"salt-*{k}": "salt-" + hmac.new(key, t.salt.encode(), hashlib.sha256).hexdigest()[:8]
+            for k, t in self.tenants.items()
+            if t.salt and not t.named
+        }
+
     def start_subscriber(self) -> None:
+        apart = self.args.scenario == "issue36"  # several unnamed salts: each its own placeholder
+        unnamed = {t.salt: f"salt-*{k}" for k, t in self.tenants.items() if apart and t.salt and not t.named}
         names = {
-            "salts": {t.salt: t.name for t in self.tenants.values() if t.salt and t.named},
+            "salts": {**{t.salt: t.name for t in self.tenants.values() if t.salt and t.named}, **unnamed},
             "loras": {t.adapter: t.name for t in self.tenants.values() if t.adapter and t.named},
         }
         (WORK / "names.json").write_text(json.dumps(names))
@@ -193,6 +236,8 @@ class TenantRun:
             "--enforce-eager", "--seed", "0", "--kv-events-config", json.dumps(kv, separators=(",", ":")),
             "--host", "127.0.0.1", "--port", str(PORT), "--enable-prompt-tokens-details",
         ]  # fmt: skip
+        if self.args.cpu_tier > 0:  # vLLM's OffloadingConnector: a CPU tier of this many GiB
+            argv += ["--kv-offloading-size", str(self.args.cpu_tier), "--kv-offloading-backend", "native"]
         if lora:
             mods = [f"{self.tenants[k].adapter}={WORK / 'loras' / str(self.tenants[k].adapter)}" for k in ADAPTERS]
             argv += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", *mods]
@@ -334,7 +379,7 @@ class TenantRun:
         return int(json.loads(get_text(kvwatch_url("/api/v1/top")))["header"]["tick"])
 
     def secret_salts(self) -> dict[str, str]:
-        return {t.name if t.named else "tenant-c": t.salt for t in TENANTS.values() if t.salt}
+        return {t.name if t.named else f"tenant-{k}": t.salt for k, t in self.all_tenants.items() if t.salt}
 
     # --- outputs ------------------------------------------------------------------------------
     def start_pollers(self) -> None:
@@ -367,7 +412,7 @@ class TenantRun:
         with gzip.open(self.out / "requests.jsonl.gz", "wt") as f:
             for k, load in self.loads.items():
                 for r in load.dump():
-                    f.write(json.dumps({"tenant": TENANTS[k].name, **r}) + "\n")
+                    f.write(json.dumps({"tenant": self.labels.get(k, self.all_tenants[k].name), **r}) + "\n")
         src = WORK / "subscriber" / "stream.jsonl.gz"
         if src.exists():
             shutil.copy(src, self.out / "stream.jsonl.gz")

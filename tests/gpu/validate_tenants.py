@@ -52,16 +52,17 @@ from tests.gpu.vllm_harness import WORK, get_text, kvwatch_samples, kvwatch_url,
 
 FULL = {"solo": 60, "noisy": 45, "recover": 45, "selfthrash": 40}
 QUICK = {"solo": 55, "noisy": 25, "recover": 30, "selfthrash": 20}
+# issue 36: kvwatch at its defaults judges a tenant after 150 s of the engine's life (warm-up and
+# learning), so the steady phase runs past it; a 60 s flood
+FULL_36 = {"solo": 100, "noisy": 60, "recover": 40, "selfthrash": 30}
 RESERVE = 75.0  # seconds kept for quiescence, closure, stopping and packing
 
 
 def phases(r: TenantRun) -> None:
-    t = r.t
-    r.phase("solo", tr.SOLO, t["solo"])
-    r.phase("noisy", tr.NOISY, t["noisy"])
-    r.phase("recover", tr.RECOVER, t["recover"])
-    if r.args.selfthrash:
-        r.phase("selfthrash", tr.SELFTHRASH, t["selfthrash"])
+    t, plans = r.t, tr.PLANS[r.args.scenario]
+    for name in ("solo", "noisy", "recover", "selfthrash"):
+        if name != "selfthrash" or r.args.selfthrash:
+            r.phase(name, plans[name], t[name])
     r.stop_loads()
 
 
@@ -97,7 +98,10 @@ def close(r: TenantRun, counts: dict[str, Any]) -> None:
     res["missing_families"] = missing = checks.missing_families(text)
     if missing:
         r.st.note(f"kvwatch does not export: {', '.join(missing)}")
-    res["closure"] = checks.closure(counts, kv, api)
+    rename = r.unnamed_labels() if r.args.scenario == "issue36" else None
+    r.labels.update({k: (rename or {}).get(f"salt-*{k}", t.name) for k, t in r.tenants.items()})
+    res["scenario"]["labels"] = r.labels
+    res["closure"] = checks.closure(counts, kv, api, rename)
     res["tenants_gauge"] = checks.tenant_count(kv, api)
     res["subscriber"] = {k: v for k, v in counts.items() if k != "tenants"}
     res["engine_final"] = r.engine()
@@ -113,11 +117,12 @@ def judge(r: TenantRun) -> None:
     res["alerts_per_phase"] = {}
     for a in found:
         res["alerts_per_phase"].setdefault(a["phase"], []).append([a["alert"], a["cause"], a["tenant"], a["aggressor"]])
-    v = checks.verdict(found, r.st.marks, "tenant-a", "tenant-b")
+    aggressor = r.labels.get(tr.AGGRESSOR[r.args.scenario], "tenant-b")
+    v = checks.verdict(found, r.st.marks, "tenant-a", aggressor)
     noisy = next((m for m in r.st.marks if m["name"] == "noisy_start"), None)
     if noisy is not None:
         v["noisy_onset_from_metrics"] = checks.timeline_onset(
-            r.out / "kvwatch_timeline.jsonl.gz", noisy["mono"], "tenant-a", "tenant-b"
+            r.out / "kvwatch_timeline.jsonl.gz", noisy["mono"], "tenant-a", aggressor
         )
     res["top_api_tenant_alerts"] = checks.top_alerts(r.out / "top_alerts.jsonl.gz")
     cl = res.get("closure", {})
@@ -125,8 +130,10 @@ def judge(r: TenantRun) -> None:
     v["closure_exact"] = bool(cl.get("tenants_exact")) and batches
     v["closure_exact_but_double_removals"] = bool(cl.get("double_removals", {}).get("explained")) and batches
     v["sums_exact"] = bool(cl.get("sums_exact"))
-    v["unnamed_salt_one_label"] = len(cl.get("unnamed_salt_labels", [])) == 1
-    v["salt_c_hidden"] = bool(res.get("secrecy", {}).get("tenant-c", {}).get("hidden"))
+    unnamed = [k for k, t in r.tenants.items() if t.salt and not t.named]
+    v["unnamed_salt_one_label"] = len(cl.get("unnamed_salt_labels", [])) == len(unnamed)
+    secrecy = res.get("secrecy", {})
+    v["salt_c_hidden"] = all(bool(x.get("hidden")) for k, x in secrecy.items() if k != "sources")
     must = ("solo_silent", "noisy_fired", "recover_cleared", "sums_exact", "salt_c_hidden")
     closed = v["closure_exact"] or v["closure_exact_but_double_removals"]
     missing = res.get("missing_families", ["(not read)"])
@@ -147,16 +154,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds this script may take, all told")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scenario", choices=["issue24", "issue36"], default="issue24", help="tenants and phases")
+    ap.add_argument("--cpu-tier", type=float, default=0.0, help="GiB of vLLM's CPU offload tier (0: none)")
+    ap.add_argument("--defaults", action="store_true", help="kvwatch's detectors at their defaults")
     args = ap.parse_args()
+    if args.scenario == "issue36":
+        args.lora = False
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     if args.engine == "sim":
         sim_paths(args)
-    r = TenantRun(args, QUICK if args.quick else FULL, RESERVE)
+    full = FULL_36 if args.scenario == "issue36" else FULL
+    r = TenantRun(args, QUICK if args.quick else full, RESERVE)
     r.st.mark("begin")
     try:
         r.start()
+        r.results["scenario"] = {"name": args.scenario, "cpu_tier_gib": args.cpu_tier, "defaults": args.defaults}
         r.start_pollers()
         phases(r)
         r.st.mark("quiesce")

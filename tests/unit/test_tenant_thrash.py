@@ -41,12 +41,14 @@ class Engine:
     )
     series: SeriesSet = field(default_factory=SeriesSet)
     folds: TenantFolds = field(default_factory=lambda: TenantFolds(8))
-    detector: TenantThrash = field(default_factory=lambda: TenantThrash(CFG))
+    config: TenantThrashConfig = CFG
+    detector: TenantThrash = field(init=False)
     t: float = 0.0
     unique: int = 0
 
     def __post_init__(self) -> None:
         self.sched = Scheduler(BlockPool(self.pool_blocks), None, max_num_seqs=64, seed=3)
+        self.detector = TenantThrash(self.config)
 
     def second(self, *tenants: tuple[Any, int, int]) -> dict[str, Finding]:
         """Per tenant (keys, requests, hot prefixes: 0 for unique prompts) 6-block prompts, one
@@ -94,6 +96,34 @@ def test_a_noisy_neighbour_is_named_with_its_victim_and_clears_after_it() -> Non
     for _ in range(30):  # B stops: it clears
         fired = e.second((A, 8, 40))
     assert fired == {}
+
+
+def test_a_flood_in_an_engines_first_minutes_is_named_within_seconds_at_defaults() -> None:
+    """The flood begins 100 s after kvwatch first saw the engine: within what used to be its
+    warm-up, and learnt as the victim's normal there. The victim's baseline is known 30 s after it
+    was first seen; the flood is evidence from its first window and never learnt."""
+    e = Engine(config=TenantThrashConfig())
+    for _ in range(100):
+        assert e.second((A, 8, 40)) == {}
+    onset, fired = 0, {}
+    while not fired and onset < 60:
+        onset += 1
+        fired = e.second((A, 8, 40), (B, 30, 0))
+    assert set(fired) == {"tenant-a"} and onset <= 10, onset
+    assert fired["tenant-a"].subject.labels["aggressor"] == "tenant-b"
+    for _ in range(120):  # a flood that lasts is still a flood: it fires throughout, then clears
+        assert set(e.second((A, 8, 40), (B, 30, 0))) == {"tenant-a"}
+    for _ in range(30):
+        fired = e.second((A, 8, 40))
+    assert fired == {}
+
+
+def test_what_a_tenant_suffered_before_its_baseline_was_known_is_its_normal() -> None:
+    """kvwatch started mid-flood cannot tell it from a standing arrangement: learnt, silent."""
+    e = Engine(config=TenantThrashConfig())
+    for _ in range(120):
+        assert e.second((A, 8, 40), (B, 30, 0)) == {}
+    assert e.counts.tenants()["GPU"]["tenant-a"].regretted > 1000  # it was thrashed all along
 
 
 def test_a_tenant_that_evicts_its_own_blocks_is_no_victim() -> None:
