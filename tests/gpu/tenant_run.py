@@ -17,6 +17,7 @@ import json
 import shutil
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -129,6 +130,47 @@ def config_toml(tenants: dict[str, Tenant], key_file: Path) -> str:
     return "\n".join(lines)
 
 
+class RssSampler(threading.Thread):
+    """The daemon's resident memory (VmRSS, RssAnon, KiB) every ``every`` seconds, from /proc."""
+
+    def __init__(self, pid: int, every: float = 1.0) -> None:
+        super().__init__(name="rss", daemon=True)
+        self.pid, self.every = pid, every
+        self.samples: list[tuple[float, int, int]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.every):
+            try:
+                fields = dict(
+                    ln.split(":", 1) for ln in Path(f"/proc/{self.pid}/status").read_text().splitlines() if ":" in ln
+                )
+            except OSError:
+                return
+            kib = [int(fields.get(k, "0 kB").split()[0]) for k in ("VmRSS", "RssAnon")]
+            self.samples.append((time.monotonic(), kib[0], kib[1]))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=5)
+
+    def summary(self, marks: list[dict[str, Any]]) -> dict[str, Any]:
+        """Peak RSS and anonymous memory (MiB) over the run and in each phase."""
+
+        def peak(rows: list[tuple[float, int, int]]) -> dict[str, float]:
+            return {
+                "rss_mib": round(max((r[1] for r in rows), default=0) / 1024, 1),
+                "anon_mib": round(max((r[2] for r in rows), default=0) / 1024, 1),
+            }
+
+        out: dict[str, Any] = {"run": peak(self.samples), "samples": len(self.samples)}
+        for m in marks:
+            if m["name"].endswith("_start"):
+                end = next((e["mono"] for e in marks if e["name"] == m["name"][:-6] + "_end"), float("inf"))
+                out[m["name"][:-6]] = peak([r for r in self.samples if m["mono"] <= r[0] <= end])
+        return out
+
+
 class TenantRun:
     def __init__(self, args: argparse.Namespace, seconds: Mapping[str, float], reserve: float) -> None:
         self.args, self.t, self.reserve = args, seconds, reserve
@@ -143,6 +185,7 @@ class TenantRun:
         self.loads: dict[str, Load] = {}
         self.running: dict[str, tuple[Workload, Run]] = {}
         self.pollers: list[Poller] = []
+        self.rss: RssSampler | None = None
 
     def left(self) -> float:
         return self.args.deadline - (time.monotonic() - self.t0)
@@ -395,10 +438,15 @@ class TenantRun:
         ]  # fmt: skip
         for p in self.pollers:
             p.start()
+        self.rss = RssSampler(self.st.pids["kvwatch"])
+        self.rss.start()
 
     def stop_pollers(self) -> None:
         for p in self.pollers:
             p.stop()
+        if self.rss is not None:
+            self.rss.stop()
+            self.results["daemon_memory"] = self.rss.summary(self.st.marks)
 
     def save(self) -> None:
         self.results.update(marks=self.st.marks, notes=self.st.notes, pids=self.st.pids)

@@ -52,8 +52,7 @@ from tests.gpu.vllm_harness import WORK, get_text, kvwatch_samples, kvwatch_url,
 
 FULL = {"solo": 60, "noisy": 45, "recover": 45, "selfthrash": 40}
 QUICK = {"solo": 55, "noisy": 25, "recover": 30, "selfthrash": 20}
-# issue 36: kvwatch at its defaults judges a tenant after 150 s of the engine's life (warm-up and
-# learning), so the steady phase runs past it; a 60 s flood
+# issue 36: a steady phase the victims' baselines learn from, then a 60 s flood
 FULL_36 = {"solo": 100, "noisy": 60, "recover": 40, "selfthrash": 30}
 RESERVE = 75.0  # seconds kept for quiescence, closure, stopping and packing
 
@@ -103,6 +102,13 @@ def close(r: TenantRun, counts: dict[str, Any]) -> None:
     res["scenario"]["labels"] = r.labels
     res["closure"] = checks.closure(counts, kv, api, rename)
     res["tenants_gauge"] = checks.tenant_count(kv, api)
+    res["regret_memory"] = {
+        "removals_forgotten": value(kv, "kvwatch_events_lost_total", source="kv_removals_forgotten"),
+        "store_times_forgotten": value(kv, "kvwatch_events_lost_total", source="kv_store_times_forgotten"),
+        "horizon_seconds": {
+            m: value(kv, "kvwatch_kv_regret_horizon_seconds", pid=api, medium=m) for m in ("GPU", "CPU")
+        },
+    }
     res["subscriber"] = {k: v for k, v in counts.items() if k != "tenants"}
     res["engine_final"] = r.engine()
     top = get_text(kvwatch_url("/api/v1/top"))
