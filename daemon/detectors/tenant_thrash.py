@@ -115,7 +115,8 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
                     seen_at=now,
                 )
             known = p.age >= c.warmup_seconds and now - v.seen_at >= c.baseline_min_seconds
-            out.append(self._judge_victim(key, p, name, v, win=win, measured=measured, known=known, now=now))
+            firing, rate, ratio = self._step(name, v, win, measured=measured, known=known, now=now)
+            out.append(self._finding(key, p, name, v, win=win, firing=firing, rate=rate, ratio=ratio))
         return out
 
     def _aggressor(self, win: _Window, victim: str) -> str:
@@ -126,18 +127,10 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
         dominant = win.store_share(name) >= self.config.aggressor_store_share
         return name if dominant and stored > win.stored.get(victim, 0.0) else ""
 
-    def _judge_victim(
-        self,
-        key: str,
-        p: ProcessWindow,
-        name: str,
-        v: _Victim,
-        *,
-        win: _Window,
-        measured: bool,
-        known: bool,
-        now: float,
-    ) -> Finding:
+    def _step(
+        self, name: str, v: _Victim, win: _Window, *, measured: bool, known: bool, now: float
+    ) -> tuple[bool, float, float]:
+        """One evaluation of a victim: whether it fires, its regrets/s and regret ratio."""
         c = self.config
         regretted, stored = win.regretted.get(name, 0.0), win.stored.get(name, 0.0)
         rate = regretted / win.seconds if win.seconds > 0 else 0.0
@@ -159,7 +152,7 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
             v.rate.update(rate, now)
             if stored > 0:
                 v.ratio.update(ratio, now)
-        return self._finding(key, p, name, v, win=win, firing=firing, rate=rate, ratio=ratio)
+        return firing, rate, ratio
 
     def _finding(
         self,
