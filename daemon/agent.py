@@ -30,6 +30,7 @@ from kvwatch.daemon.families.cost import SelfCost, account_self_cost, calibrate_
 from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
 from kvwatch.daemon.families.memory import MemoryFamily
 from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker, link_bytes_per_second, transfer_family
+from kvwatch.daemon.host.allocator import Allocator
 from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.host.psi import PressureReader
@@ -73,6 +74,7 @@ class Agent:
         canary: Callable[[], CanaryResult] | None = None,
         bpf_stats: BpfStats | None = None,
         errors: ErrorBook | None = None,
+        allocator: Allocator | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -107,6 +109,7 @@ class Agent:
         self.self_cost = SelfCost(config.self_cost)
         self.canary = canary  # times a probed call at start (probes/selfcost.py)
         self.bpf_stats = bpf_stats
+        self.allocator = allocator  # hands a burst's freed memory back (host/allocator.py)
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
         self.alerts = AlertBook(
             default_sinks + list(sinks or []), alert_names(self.detectors), lasting_alerts(self.detectors)
@@ -252,6 +255,7 @@ class Agent:
             ("losses", lambda: self._account_losses(now)),
             ("audit", lambda: self._audit(now)),
             ("self_cost", lambda: self._self_cost(now)),
+            ("trim", lambda: self._trim(now)),
         ):
             try:
                 step()
@@ -274,6 +278,10 @@ class Agent:
         self._published = _Published(snap)
         self._notify(snap)
         return snap
+
+    def _trim(self, now: float) -> None:
+        if self.allocator is not None:
+            self.allocator.trim(now)
 
     def _tier_owners(self) -> None:
         """Which processes each KV tier belongs to, once a tick for the ledger, the detectors and

@@ -18,6 +18,7 @@ from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.alerts import AlertSink
 from kvwatch.daemon.config import Config, parse_listen
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.host.allocator import Allocator
 from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
@@ -52,7 +53,9 @@ def memory_options(config: Config) -> MemoryProbeOptions:
     )
 
 
-def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True) -> Agent:
+def build_agent(
+    config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: bool = True, allocator: Allocator | None = None
+) -> Agent:
     """The production wiring: real probes, real /proc, NVML when present. One ``ProcFS`` for
     everyone: the agent reads through it, and the probes are handed its procfs mount."""
     procfs = ProcFS(proc=config.discovery.proc_root)
@@ -93,6 +96,7 @@ def build_agent(config: Config, *, sinks: Iterable[AlertSink] = (), use_bpf: boo
         canary=UprobeCanary().measure if use_bpf else None,
         bpf_stats=BpfStats() if use_bpf else None,
         errors=errors,
+        allocator=allocator,
     )
 
 
@@ -102,7 +106,9 @@ class Daemon:
     def __init__(self, config: Config, *, sinks: Sequence[Any] = ()) -> None:
         self.config = config
         self.stop = threading.Event()
-        self.agent = build_agent(config, sinks=sinks)
+        allocator = Allocator()
+        allocator.tune()  # before the agent's threads start
+        self.agent = build_agent(config, sinks=sinks, allocator=allocator)
         collector = SnapshotCollector(lambda: self.agent.snapshot, version=kvwatch_version(), bcc_version=bcc_version())
         host, port = parse_listen(config.daemon.listen)
         self.server = MetricsServer(

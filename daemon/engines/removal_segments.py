@@ -98,10 +98,15 @@ class Segment:
 
     def times(self, idx: I64) -> list[float]:
         """The signed removal times of entries ``idx``."""
+        out: list[float] = self.time_array(idx).tolist()
+        return out
+
+    def time_array(self, idx: I64) -> npt.NDArray[np.float64]:
+        """The same as an array: a merge of millions of entries makes no Python float each (their
+        small-object arenas outlive the merge in the daemon's resident memory)."""
         f = self.flags[idx]
         mag = self.t0 + (f & TIME_BITS).astype(np.float64) * self.unit
-        out: list[float] = np.where((f & MARK) != 0, -mag, mag).tolist()
-        return out
+        return np.where((f & MARK) != 0, -mag, mag)
 
     def find(self, want: U64) -> I64:
         """Per key wanted, the index of its live entry here, -1 where none."""
@@ -171,7 +176,7 @@ def merge(segments: Sequence[Segment], level: int) -> Segment:
     for s in segments:
         live = np.flatnonzero((s.flags & TAKEN) == 0)
         keys.append(s.keys()[live])
-        times.append(np.asarray(s.times(live), dtype=np.float64))
+        times.append(s.time_array(live))
         if tagged:
             tags.append(s.tags[live] if s.tags is not None else np.zeros(len(live), dtype=np.uint16))
     return build(np.concatenate(keys), np.concatenate(times), np.concatenate(tags) if tagged else None, level)

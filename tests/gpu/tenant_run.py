@@ -102,8 +102,16 @@ PLANS = {
         "recover": {"a": A_HOT, "c": C_HOT},
         "selfthrash": SELFTHRASH,
     },
+    # issue 36's regret after a flood longer than the old memory: c parks through the flood (its
+    # hot set evicted in the flood's first seconds) and comes back after it
+    "issue36park": {
+        "solo": {"a": A_HOT, "c": C_HOT},
+        "noisy": {"a": A_HOT, "d": D_FLOOD},
+        "recover": {"a": A_HOT, "c": C_HOT},
+        "selfthrash": SELFTHRASH,
+    },
 }
-AGGRESSOR = {"issue24": "b", "issue36": "d"}
+AGGRESSOR = {"issue24": "b", "issue36": "d", "issue36park": "d"}
 
 
 def known(path: str) -> bool:
@@ -177,7 +185,7 @@ class TenantRun:
         self.out: Path = args.out
         self.t0 = time.monotonic()
         self.st = State(engine=args.engine)
-        self.all_tenants = TENANTS_36 if args.scenario == "issue36" else TENANTS
+        self.all_tenants = TENANTS_36 if args.scenario.startswith("issue36") else TENANTS
         self.tenants = {k: t for k, t in self.all_tenants.items() if args.lora or k not in ADAPTERS}
         self.labels: dict[str, str] = {}  # tenant key -> kvwatch's label
         self.results: dict[str, Any] = {"phases": {}, "lora": {"requested": args.lora}, "config": {}}
@@ -249,7 +257,7 @@ class TenantRun:
         }
 
     def start_subscriber(self) -> None:
-        apart = self.args.scenario == "issue36"  # several unnamed salts: each its own placeholder
+        apart = self.args.scenario.startswith("issue36")  # several unnamed salts: each its own placeholder
         unnamed = {t.salt: f"salt-*{k}" for k, t in self.tenants.items() if apart and t.salt and not t.named}
         names = {
             "salts": {**{t.salt: t.name for t in self.tenants.values() if t.salt and t.named}, **unnamed},

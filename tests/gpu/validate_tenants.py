@@ -54,6 +54,7 @@ FULL = {"solo": 60, "noisy": 45, "recover": 45, "selfthrash": 40}
 QUICK = {"solo": 55, "noisy": 25, "recover": 30, "selfthrash": 20}
 # issue 36: a steady phase the victims' baselines learn from, then a 60 s flood
 FULL_36 = {"solo": 100, "noisy": 60, "recover": 40, "selfthrash": 30}
+FULL_36_PARK = {**FULL_36, "noisy": 80}  # past 524,288 GPU removals at ~7k blocks/s
 RESERVE = 75.0  # seconds kept for quiescence, closure, stopping and packing
 
 
@@ -97,7 +98,7 @@ def close(r: TenantRun, counts: dict[str, Any]) -> None:
     res["missing_families"] = missing = checks.missing_families(text)
     if missing:
         r.st.note(f"kvwatch does not export: {', '.join(missing)}")
-    rename = r.unnamed_labels() if r.args.scenario == "issue36" else None
+    rename = r.unnamed_labels() if r.args.scenario.startswith("issue36") else None
     r.labels.update({k: (rename or {}).get(f"salt-*{k}", t.name) for k, t in r.tenants.items()})
     res["scenario"]["labels"] = r.labels
     res["closure"] = checks.closure(counts, kv, api, rename)
@@ -160,18 +161,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds this script may take, all told")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scenario", choices=["issue24", "issue36"], default="issue24", help="tenants and phases")
+    ap.add_argument("--scenario", choices=["issue24", "issue36", "issue36park"], default="issue24", help="tenants and phases")
     ap.add_argument("--cpu-tier", type=float, default=0.0, help="GiB of vLLM's CPU offload tier (0: none)")
     ap.add_argument("--defaults", action="store_true", help="kvwatch's detectors at their defaults")
     args = ap.parse_args()
-    if args.scenario == "issue36":
+    if args.scenario.startswith("issue36"):
         args.lora = False
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     if args.engine == "sim":
         sim_paths(args)
-    full = FULL_36 if args.scenario == "issue36" else FULL
+    full = {"issue36": FULL_36, "issue36park": FULL_36_PARK}.get(args.scenario, FULL)
     r = TenantRun(args, QUICK if args.quick else full, RESERVE)
     r.st.mark("begin")
     try:
