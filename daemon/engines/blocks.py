@@ -35,6 +35,7 @@ store the stream never saw is ``unknown``'s.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -94,7 +95,9 @@ class MediumBlocks:
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
         self._removed_at = RemovalMemory(max_removed)  # capacity 0: no regret accounting
-        self._pending: deque[tuple[float, list[int], dict[int, int]]] = deque()  # GPU removals not offloaded yet
+        # GPU removals not offloaded yet: per batch, its time, fingerprints and their tags (none: all
+        # untagged), packed (10 bytes a removal: a flood keeps tens of thousands waiting)
+        self._pending: deque[tuple[float, array[int], array[int] | None]] = deque()
         self._pending_n = 0
         self._pending_max = _pending_max(max_stored)
         # a hash held in more than one physical block (stored again while held): its copies beyond
@@ -159,7 +162,8 @@ class MediumBlocks:
         # only blocks whose store the stream saw (older ones cannot be judged), and not alone
         judged = [k for k in keys if k not in alone] if lower else []
         if judged:
-            self._pending.append((ts, judged, tag_of))
+            jtags = array("H", [tag_of.get(k, 0) for k in judged]) if tag_of else None
+            self._pending.append((ts, array("Q", judged), jtags))
             self._pending_n += len(judged)
             if self._pending_n > self._pending_max:
                 self.settle(float("inf"), lower)
@@ -210,16 +214,16 @@ class MediumBlocks:
         or removed by now were dropped. The offload's announcement may follow the removal (a
         request preempted with its store in flight), hence the wait."""
         while self._pending and self._pending[0][0] <= ts - OFFLOAD_SETTLE_SECONDS:
-            _, fps, tag_of = self._pending.popleft()
-            self._pending_n -= len(fps)
+            _, packed, tags = self._pending.popleft()
+            self._pending_n -= len(packed)
+            fps = packed.tolist()
             self.dropped += _dropped(fps, lower)
-            if tag_of:
-                self._tenant_drops(fps, tag_of, lower)
+            if tags is not None:
+                self._tenant_drops(fps, tags.tolist(), lower)
 
-    def _tenant_drops(self, fps: Sequence[int], tag_of: Mapping[int, int], lower: Sequence[MediumBlocks]) -> None:
+    def _tenant_drops(self, fps: Sequence[int], tags: Sequence[int], lower: Sequence[MediumBlocks]) -> None:
         by_tag: dict[int, list[int]] = {}
-        for fp in fps:
-            tag = tag_of.get(fp, 0)
+        for fp, tag in zip(fps, tags, strict=True):
             if tag:
                 by_tag.setdefault(tag, []).append(fp)
         for tag, group in by_tag.items():
