@@ -2,6 +2,6 @@
 
 import sys
 
-from kvwatch.daemon.cli import main
+from kvwatch.daemon.entry import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from kvwatch.daemon import logs
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.config.load import ConfigError, load_config
 from kvwatch.daemon.version import kvwatch_version
-from kvwatch.exporters.top import SORT_KEYS
+from kvwatch.exporters.top_columns import SORT_KEYS
 
 # `kvwatch demo --scenario`, in the order the demo runs them (lab/demo.py)
 DEMO_SCENARIOS = (

@@ -12,7 +12,8 @@
 # parts), and kvwatch's wheels for Python 3.12 that the machine lacks in .whl.
 # DEADLINE (default 500 s) bounds validate_tenants.py, vLLM's start included; LORA=0 leaves the
 # adapters out, SELFTHRASH=0 the last phase; SCENARIO=issue36 (three salted tenants, a 60 s flood),
-# CPU_TIER=GiB (vLLM's CPU offload tier), DEFAULTS=1 (kvwatch's detectors at their defaults).
+# CPU_TIER=GiB (vLLM's CPU offload tier), DEFAULTS=1 (kvwatch's detectors at their defaults), QUICK=1
+# (short phases), MEMPROBE=1 (the daemon's memory by kind, tests/tools/memprobe).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -56,6 +57,12 @@ print("adapter ok:", len(keys), "tensors,", keys[0], tuple(t.shape), t.dtype)' |
         [ -n "${SCENARIO:-}" ] && flags+=(--scenario "$SCENARIO")
         [ -n "${CPU_TIER:-}" ] && flags+=(--cpu-tier "$CPU_TIER")
         [ "${DEFAULTS:-0}" = 1 ] && flags+=(--defaults)
+        [ "${QUICK:-0}" = 1 ] && flags+=(--quick)
+        # MEMPROBE=1: the daemon's memory by kind of mapping into $out/memprobe.* (tests/tools/memprobe;
+        # KVW_TRACEMALLOC=N adds tracemalloc's top allocation sites, at a cost in memory)
+        if [ "${MEMPROBE:-0}" = 1 ]; then
+            export PYTHONPATH="$PWD/tests/tools/memprobe:$PYTHONPATH" KVW_MEMPROBE="$out/memprobe"
+        fi
         .gpu-bundle/with-bcc python3 tests/gpu/validate_tenants.py --out "$out" --deadline "${DEADLINE:-500}" "${flags[@]}" 2>&1 \
             | tee /tmp/validate_tenants.log | tail -80
         ;;
