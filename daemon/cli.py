@@ -13,19 +13,9 @@ import structlog
 from kvwatch.daemon import logs
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.config.load import ConfigError, load_config
+from kvwatch.daemon.demo_scenarios import DEMO_SCENARIOS
 from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.top_columns import SORT_KEYS
-
-# `kvwatch demo --scenario`, in the order the demo runs them (lab/demo.py)
-DEMO_SCENARIOS = (
-    "host-tier",
-    "reuse-collapse",
-    "transfer-collapse",
-    "eviction-burst",
-    "prefix-cache",
-    "preemption-livelock",
-    "oom",
-)
 
 log = structlog.get_logger("kvwatch")
 
@@ -194,7 +184,7 @@ def cmd_demo(config: Config, args: argparse.Namespace) -> int:
 def cmd_top(config: Config, args: argparse.Namespace) -> int:
     import tempfile  # noqa: PLC0415
 
-    from kvwatch.exporters.top import TopOptions, run_top  # noqa: PLC0415 - subcommand on demand
+    from kvwatch.exporters.top_cmd import TopOptions, run_top  # noqa: PLC0415 - subcommand on demand
 
     live = not args.once and sys.stdout.isatty()
     if live:  # the screen belongs to the table: the probes' log lines go to a file

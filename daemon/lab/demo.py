@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwatch.daemon.cli import DEMO_SCENARIOS
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.demo_scenarios import DEMO_SCENARIOS
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
 from kvwatch.daemon.lab.netlab import veth_pair

@@ -20,8 +20,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-PAGE = mmap.PAGESIZE
-MIB = 1024 * 1024
+from kvwatch.daemon.lab.workload_common import MIB, PAGE, say
+
+__all__ = ["MIB", "PAGE"]  # the sizes the doctor, the demo and the tests take from here too
+
 MADV_COLD = 20  # linux/mman.h; Python 3.11 has no constant for it
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -192,20 +194,16 @@ def workload_rule(engine: str, *commands: str, module: str = "workloads") -> str
     return f"{{ engine = \"{engine}\", cmdline = '{workload_pattern(*commands, module=module)}' }}"
 
 
-def _say(tag: str) -> None:
-    print(tag, flush=True)
-
-
 def cmd_pages(args: argparse.Namespace) -> None:
     while _wait("go"):
         touch_and_release(args.pages)
-        _say("done")
+        say("done")
 
 
 def cmd_read(args: argparse.Namespace) -> None:
     while _wait("go"):
         read_files(Path(f) for f in args.files)
-        _say("read")
+        say("read")
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -218,7 +216,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
     if not _wait("warm"):
         return
     read_files(files)
-    _say("warm")
+    say("warm")
     if not _wait("squeeze"):
         return
     held: list[bytearray] = []
@@ -238,7 +236,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
             read_files([files[i % len(files)]])
             i += 1
         time.sleep(0.005)
-    _say("squeezed")
+    say("squeezed")
     _wait("exit")
 
 
@@ -252,7 +250,7 @@ def cmd_hog(args: argparse.Namespace) -> None:
         for off in range(0, len(b), PAGE):
             b[off] = 1
         held.append(b)
-        _say("held")
+        say("held")
 
 
 def cmd_oom(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwatch.daemon.lab.workloads import MIB, PAGE, _say
+from kvwatch.daemon.lab.workload_common import MIB, PAGE, say
 
 
 class _Cuda:
@@ -140,7 +140,7 @@ def cmd_cuda(args: argparse.Namespace) -> None:
         p = cu.malloc(20 * MIB)
         if p:
             cache.append(p)
-    _say("ready")
+    say("ready")
     i = 0
     while True:
         line = sys.stdin.readline().split()
@@ -154,7 +154,7 @@ def cmd_cuda(args: argparse.Namespace) -> None:
             i += 1
             nxt += period
             time.sleep(max(0.0, nxt - time.monotonic()))
-        _say("done")
+        say("done")
 
 
 def _copying(rt: ctypes.CDLL) -> ctypes.CDLL:
@@ -180,7 +180,7 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
     library later), "unload" (dlclose it), "map PATH" (mmap any file), "quit"."""
     libs = [ctypes.CDLL(args.lib)]
     maps: list[mmap.mmap] = []
-    _say("ready")
+    say("ready")
     while True:
         words = sys.stdin.readline().split()
         if not words or words[0] == "quit":
@@ -197,29 +197,29 @@ def cmd_cudacalls(args: argparse.Namespace) -> None:
                 ptrs.append(p.value if rc == 0 and p.value else 0x1000 + i)
             for ptr in ptrs:
                 rt.cudaFree(ctypes.c_void_p(ptr))
-            _say(f"done {ok} {first_rc}")
+            say(f"done {ok} {first_rc}")
         elif words[0] == "spin":  # spin SECONDS: cudaMemcpyAsync of 4 KiB host->device, back to back
-            _say(f"done {_spin(libs[0], float(words[1]))}")
+            say(f"done {_spin(libs[0], float(words[1]))}")
         elif words[0] == "copy":  # copy KIND N SIZE: N cudaMemcpyAsync of SIZE bytes in direction KIND
             rt = _copying(libs[0])
             kind, n, size = int(words[1]), int(words[2]), int(words[3])
             rcs = [rt.cudaMemcpyAsync(None, None, size, kind, None) for _ in range(n)]
-            _say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
+            say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
         elif words[0] == "batch":
             rcs = batch_copies(libs[0], Path(args.lib), words[1:])
-            _say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
+            say(f"done {sum(rc == 0 for rc in rcs)} {rcs[0] if rcs else None}")
         elif words[0] == "load":
             libs.append(ctypes.CDLL(words[1]))
-            _say("loaded")
+            say("loaded")
         elif words[0] == "unload":
             import _ctypes  # noqa: PLC0415 - dlclose lives here
 
             _ctypes.dlclose(libs.pop()._handle)
-            _say("unloaded")
+            say("unloaded")
         elif words[0] == "map":
             with open(words[1], "rb") as f:
                 maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
-            _say("mapped")
+            say("mapped")
 
 
 class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes / cudaMemcpyAttributes

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwatch.daemon.lab.workloads import _say
+from kvwatch.daemon.lab.workload_common import say
 
 
 class _TransferStub:
@@ -109,12 +109,12 @@ def cmd_xferstub(args: argparse.Namespace) -> None:
     | reg LEN | regdma LEN | dereg | regfail 0/1 | ucpfail 0/1 | nccl send|recv|allgather COUNT DTYPE
     | ncclrc RC | xfer HANDLE BYTES MS (posted, done MS milliseconds later) | quit"""
     x = _TransferStub(Path(args.lib_dir))
-    _say("ready")
+    say("ready")
     while True:
         w = sys.stdin.readline().split()
         if not w or w[0] == "quit":
             return
-        _say(f"ok {COMMANDS[w[0]](x, w[1:])}")
+        say(f"ok {COMMANDS[w[0]](x, w[1:])}")
 
 
 def cmd_ncclcalls(args: argparse.Namespace) -> None:
@@ -126,7 +126,7 @@ def cmd_ncclcalls(args: argparse.Namespace) -> None:
     for name in ("ncclSend", "ncclRecv"):
         getattr(nccl, name).argtypes = (vp, sz, ctypes.c_int, ctypes.c_int, vp, vp)
     nccl.ncclAllGather.argtypes = (vp, vp, sz, ctypes.c_int, vp, vp)
-    _say("ready")
+    say("ready")
     while True:
         w = sys.stdin.readline().split()
         if not w or w[0] == "quit":
@@ -137,4 +137,4 @@ def cmd_ncclcalls(args: argparse.Namespace) -> None:
             rcs.add(nccl.ncclSend(None, count, dtype, 0, None, None))
             rcs.add(nccl.ncclRecv(None, count, dtype, 0, None, None))
             rcs.add(nccl.ncclAllGather(None, None, count, dtype, None, None))
-        _say(f"ok {','.join(map(str, sorted(rcs)))}")
+        say(f"ok {','.join(map(str, sorted(rcs)))}")

@@ -8,7 +8,7 @@ import counted, those inside functions too.
 * the snapshot and the record modules it is made of import only each other;
 * probes import nothing from the daemon or the exporters;
 * bcc is imported in ``probes/bpf.py`` alone;
-* module-level imports have no cycle.
+* imports have no cycle, those inside functions included (a lazy import is still a dependency).
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ def test_bcc_in_one_module() -> None:
     assert users == {"kvwatch.probes.bpf"}
 
 
-def test_no_import_cycle_at_module_level() -> None:
+def test_no_import_cycle() -> None:
     graph: dict[str, set[str]] = {}
     for i in internal():
-        if i.top_level and i.target in MODULES:
+        if i.target in MODULES and i.target != i.source:
             graph.setdefault(i.source, set()).add(i.target)
     state: dict[str, int] = {}  # 1 visiting, 2 done
 
