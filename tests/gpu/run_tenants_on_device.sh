@@ -58,6 +58,7 @@ print("adapter ok:", len(keys), "tensors,", keys[0], tuple(t.shape), t.dtype)' |
         [ -n "${CPU_TIER:-}" ] && flags+=(--cpu-tier "$CPU_TIER")
         [ "${DEFAULTS:-0}" = 1 ] && flags+=(--defaults)
         [ "${QUICK:-0}" = 1 ] && flags+=(--quick)
+        [ -n "${PHASES:-}" ] && flags+=(--phase-seconds "$PHASES")  # e.g. PHASES=solo=40,recover=20
         # MEMPROBE=1: the daemon's memory by kind of mapping into $out/memprobe.* (tests/tools/memprobe;
         # KVW_TRACEMALLOC=N adds tracemalloc's top allocation sites, at a cost in memory)
         if [ "${MEMPROBE:-0}" = 1 ]; then

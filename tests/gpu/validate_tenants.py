@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--selfthrash", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gpu-blocks", type=int, default=2048)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--phase-seconds", default="", help="override phases' lengths: solo=40,recover=20")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds this script may take, all told")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scenario", choices=["issue24", "issue36", "issue36park"], default="issue24", help="tenants and phases")
@@ -167,13 +168,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.scenario.startswith("issue36"):
         args.lora = False
+    full = {"issue36": FULL_36, "issue36park": FULL_36_PARK}.get(args.scenario, FULL)
+    lengths = dict(QUICK if args.quick else full)
+    for item in filter(None, args.phase_seconds.split(",")):
+        name, _, seconds = item.partition("=")
+        if name not in lengths:
+            ap.error(f"--phase-seconds: no phase {name!r} (phases: {', '.join(lengths)})")
+        lengths[name] = int(seconds)
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     if args.engine == "sim":
         sim_paths(args)
-    full = {"issue36": FULL_36, "issue36park": FULL_36_PARK}.get(args.scenario, FULL)
-    r = TenantRun(args, QUICK if args.quick else full, RESERVE)
+    r = TenantRun(args, lengths, RESERVE)
     r.st.mark("begin")
     try:
         r.start()
