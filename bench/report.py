@@ -36,6 +36,7 @@ ORDER = (
     "regret_memory",
     "footprint",
     "daemon_load",
+    "daemon_rss_flood",
     "detection",
     "soak",
 )
@@ -55,6 +56,7 @@ TITLES = {
     "regret_memory": "Regret memory: horizon and cost under a flood (bench/bench_regret_memory.py)",
     "footprint": "The daemon's own footprint, default configuration (bench/bench_footprint.py)",
     "daemon_load": "The daemon at idle and under load (bench/bench_daemon_load.py)",
+    "daemon_rss_flood": "The daemon's memory: RSS through a tenant flood (tests/gpu/validate_tenants.py --engine sim)",
     "detection": "Detection latency (bench/bench_detection.py)",
     "soak": "Soak, 30 minutes (bench/soak.py; not run by bench/run.sh)",
 }
@@ -241,6 +243,11 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
         ("daemon CPU, 1M page events/s", f"{cell(load, '1,000,000', 1)} % of a core", "—"),
         ("daemon CPU, ~10k CUDA calls/s", f"{cell(load, 'CUDA', 1)} % of a core", "—"),
         ("daemon RSS under page load", f"{cell(load, '1,000,000', 2)} MiB at 1M page events/s", "—"),
+        (
+            "daemon RSS through a tenant flood (sim, CPU tier on; ~14,000 GPU and ~14,000 CPU blocks removed a second)",
+            flood_rss(res.get("daemon_rss_flood", "")),
+            "≤ 150 MB (143 MiB)",
+        ),
     ]
     for name, what, bound in (
         ("kv_memory", "one medium", "< 64 MiB"),
@@ -284,6 +291,16 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
         out.append(("soak RSS growth (30 min)", soak.get("RSS after 1 min → end", "not run"), "< 5 MB"))
         out.append(("soak descriptors", soak.get("open descriptors after 1 min → end", "not run"), "no growth"))
     return out
+
+
+def flood_rss(text: str) -> str:
+    """The last kept row of the flood RSS table (rows marked "not kept" are experiments)."""
+    rows = [r for r in re.findall(r"^\| ([0-9a-f]{7}[^|]*)\|.*\| ([0-9.]+) MiB \|$", text, re.M) if "not kept" not in r[0]]
+    if not rows:
+        return "not run"
+    real = re.search(r"peaked at ([0-9.]+) MiB\s+with the CPU tier and ([0-9.]+) MiB without it", text)
+    got = f"peak {rows[-1][1]} MiB ({rows[-1][0].split()[0]})"
+    return got + (f"; real vLLM on the H100: {real[1]} MiB with the tier, {real[2]} without (d3038a1)" if real else "")
 
 
 def retained_rss(text: str) -> list[tuple[str, str, str]]:
@@ -335,7 +352,7 @@ def render() -> str:
         "after another, 40 in 4-5 s (bench/results/uprobe_release.md). Attaching and releasing run in background "
         "threads so the probe loop never waits (`kvwatch_uprobe_releases_pending`).",
         "* The daemon's idle RSS (bench/results/footprint.md) is mostly code it loads: the interpreter and its "
-        "libraries before bcc ~52 MiB (pydantic ~13, structlog ~15 with the asyncio, ssl and rich it imports, "
+        "libraries before bcc ~52 MiB (pydantic ~13, structlog ~9 with the asyncio and ssl it imports (`kvwatch run` keeps rich out: daemon/entry.py), "
         "zmq ~2), bcc ~13 MiB that stays of libLLVM/libclang after the compiler's pages and heap are given back "
         "(relocated data that cannot be dropped), bcc's loaded modules ~10 MiB of heap. numpy (~15 MiB with its "
         "BLAS library) is imported only when a KV hash memory first seals, i.e. under an engine's KV event "
