@@ -203,15 +203,11 @@ def main() -> None:
 
 
 def sim_paths(args: argparse.Namespace) -> None:
-    """The dry run: kvwatch from this working tree (a package of links to it, first on the path of
-    every process started here), and vLLM's kv_events.py from the vLLM bundle for the subscriber."""
+    """The dry run: kvwatch from this working tree (src/, first on the path of every process started
+    here), and vLLM's kv_events.py from the vLLM bundle for the subscriber."""
     repo = Path(__file__).resolve().parents[2]
-    pkg = WORK / "kvpkg" / "kvwatch"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for d in ("daemon", "probes", "exporters"):
-        (pkg / d).symlink_to(repo / d)
-    os.environ["PYTHONPATH"] = f"{pkg.parent}:{repo}"
-    sys.path.insert(0, str(pkg.parent))
+    os.environ["PYTHONPATH"] = ":".join(filter(None, (str(repo / "src"), str(repo), os.environ.get("PYTHONPATH"))))
+    sys.path.insert(0, str(repo / "src"))
     for name in [k for k in sys.modules if k == "kvwatch" or k.startswith("kvwatch.")]:
         del sys.modules[name]
     bundled = repo / ".vllm-bundle/site/vllm/distributed/kv_events.py"
