@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 import zmq
+
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.views import StreamSpec
 from kvwatch.daemon.lab.wire_encode import Layout, encode_batch, removed, stored
+from kvwatch.daemon.model.engines import StreamSpec
 
 STORED_PER_BATCH, BLOCKS_PER_STORE, REMOVED_PER_BATCH = 8, 4, 16
 EVENTS = STORED_PER_BATCH + REMOVED_PER_BATCH

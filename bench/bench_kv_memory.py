@@ -38,7 +38,7 @@ from pathlib import Path
 
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.groups import MediumGroups
-from kvwatch.daemon.engines.views import MediumTotals
+from kvwatch.daemon.model.engines import MediumTotals
 
 RATE = 1_000_000  # blocks per second of stream
 STEP = 32  # blocks stored (and removed) per event

@@ -202,7 +202,7 @@ def measure_hub(size: int, n: int = 32) -> dict[str, object]:
     import socket
 
     from kvwatch.daemon.engines.kv_events import KVEventHub
-    from kvwatch.daemon.engines.views import StreamSpec
+    from kvwatch.daemon.model.engines import StreamSpec
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -263,7 +263,7 @@ def measure_multipart(total: int = 768 * MiB, headroom: int = 128 * MiB) -> dict
     import threading
 
     from kvwatch.daemon.engines.kv_events import KVEventHub
-    from kvwatch.daemon.engines.views import StreamSpec
+    from kvwatch.daemon.model.engines import StreamSpec
 
     server = socket.create_server(("127.0.0.1", 0))
     flood = threading.Thread(target=_endless_multipart, args=(server, total), daemon=True)

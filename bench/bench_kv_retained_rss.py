@@ -38,13 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines import stream_counts as sc
 from kvwatch.daemon.engines.groups import MAX_GROUPS
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import TenantNamer
-from kvwatch.daemon.engines.views import OTHER_GROUP, StreamSpec
 from kvwatch.daemon.lab import wire_encode as we
+from kvwatch.daemon.model.engines import OTHER_GROUP, StreamSpec
 
 try:  # absent before the budget: each stream then has its bounds to itself
     from kvwatch.daemon.engines.memory_budget import MemoryBudget

@@ -295,7 +295,9 @@ def headline(res: dict[str, str]) -> list[tuple[str, str, str]]:
 
 def flood_rss(text: str) -> str:
     """The last kept row of the flood RSS table (rows marked "not kept" are experiments)."""
-    rows = [r for r in re.findall(r"^\| ([0-9a-f]{7}[^|]*)\|.*\| ([0-9.]+) MiB \|$", text, re.M) if "not kept" not in r[0]]
+    rows = [
+        r for r in re.findall(r"^\| ([0-9a-f]{7}[^|]*)\|.*\| ([0-9.]+) MiB \|$", text, re.M) if "not kept" not in r[0]
+    ]
     if not rows:
         return "not run"
     real = re.search(r"peaked at ([0-9.]+) MiB\s+with the CPU tier and ([0-9.]+) MiB without it", text)

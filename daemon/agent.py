@@ -15,12 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors, lasting_alerts
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.audit import Evidence, MetricAudit, audit_settings
 from kvwatch.daemon.engines.ledger import LossLedger
@@ -35,8 +34,10 @@ from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.host.psi import PressureReader
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from kvwatch.daemon.publish import Parts, ProcessParts, build_snapshot, process_views
-from kvwatch.daemon.snapshot import Snapshot
 from kvwatch.daemon.tracker import ProcessTracker, Tracked, process_labels
 from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.canary import BpfStats, CanaryResult
@@ -321,7 +322,14 @@ class Agent:
         self.memory_family.ingest(now)
 
     def _account_losses(self, now: float) -> None:
-        account_losses(self.losses, self.engines, self.memory_family, self.tracker.tracked(), now, owners=self._owners)
+        account_losses(
+            self.losses,
+            self.engines,
+            self.memory_family.tier_page_losses(),
+            self.tracker.tracked(),
+            now,
+            owners=self._owners,
+        )
 
     def _audit(self, now: float) -> None:
         engines = self.engines

@@ -7,8 +7,9 @@ from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import structlog
-from kvwatch.daemon.detectors.base import Finding
-from kvwatch.daemon.snapshot import Alert, AlertsView
+
+from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.snapshot import Alert, AlertsView
 
 log = structlog.get_logger("kvwatch.alerts")
 

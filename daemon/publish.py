@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal, TenantsView, TierReading
 from kvwatch.daemon.families.transfer import TransferProcessState
-from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.snapshot import (
+from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.snapshot import (
     AlertsView,
     CudaView,
     FamilyCost,

@@ -8,7 +8,7 @@ written by its writer, read only by its readers, and read by someone). A name en
 a prefix: the series is that prefix and a key (a medium, a family, ``tier:cause``).
 
 Modules are named from ``kvwatch.daemon`` down (``engines.taps``). Exporters read no series:
-they read the snapshot's typed fields (``snapshot.py``), which ``publish`` fills from these.
+they read the snapshot's typed fields (``model/snapshot.py``), which ``publish`` fills from these.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
+
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.series import SeriesSet
 
 log = structlog.get_logger("kvwatch.tracker")
 

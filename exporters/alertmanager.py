@@ -23,8 +23,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
+
 from kvwatch.daemon.config import AlertmanagerConfig
-from kvwatch.daemon.snapshot import Alert
+from kvwatch.daemon.model.snapshot import Alert
 
 log = structlog.get_logger("kvwatch.alertmanager")
 

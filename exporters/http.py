@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import structlog
-from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters.http_conns import Conn, ConnectionStats, ConnectionTable, HeadLimit, drop_reason
-from kvwatch.exporters.top_model import API_PATH, build_frame, encode
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
+
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.exporters.http_conns import Conn, ConnectionStats, ConnectionTable, HeadLimit, drop_reason
+from kvwatch.exporters.top_model import API_PATH, build_frame, encode
 
 log = structlog.get_logger("kvwatch.http")
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.probes.records import TransferDone
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterator
 
-from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters.prom_aggregates import snapshot_age
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.exporters.prom_aggregates import snapshot_age
 
 
 def health_families(s: Snapshot, version: str, bcc_version: str, clock: Callable[[], float]) -> Iterator[Metric]:

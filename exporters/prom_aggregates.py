@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvwatch.daemon.engines.views import StreamStats
+from kvwatch.daemon.model.engines import StreamStats
 from kvwatch.probes.records import BUCKET_BOUNDS, XferCounters
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 
 ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium", "tenant", "aggressor")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import CudaView, Snapshot
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import CudaView, Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from kvwatch.probes.records import ApiCounters
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 def cuda_families(s: Snapshot) -> Iterator[Metric]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import ProcessView, Snapshot
-from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import ProcessView, Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 
 MOVES = ("stored", "loaded", "evicted")
 SOURCES = "source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.engines.views import (
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvwatch.daemon.model.engines import (
     REGRET_BUCKETS,
     EngineSample,
     EngineView,
@@ -13,10 +15,9 @@ from kvwatch.daemon.engines.views import (
     StreamStats,
     TargetState,
 )
-from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from kvwatch.exporters.prom_aggregates import cache_resets
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 # per KV event stream: StreamStats attribute, metric name, help
 STREAM_COUNTERS = (

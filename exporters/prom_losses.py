@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 
 LOSS_DOC = (
     "KV cache {what} a tier lost, by cause: evicted (engine LRU; disk: files deleted), preempted "

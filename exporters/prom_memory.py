@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 
 OOM_LABELS = ("engine", "role", "container", "pod")
 RECLAIMER_LABELS = ("tier", "reclaimer", "scope", "reclaimer_cgroup", "reclaimer_pod_uid", "reclaimer_container")

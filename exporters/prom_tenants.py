@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import Snapshot
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from kvwatch.exporters.prom_losses import LOSS_DOC
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # TenantRow attribute, metric name, help
 COUNTERS = (

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvwatch.daemon.snapshot import Snapshot, TransferView
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvwatch.daemon.model.snapshot import Snapshot, TransferView
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 from kvwatch.exporters.prom_aggregates import completions_by_lib, cumulative_buckets, link_utilization, xfer_ok_calls
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 
 def transfer_families(s: Snapshot) -> Iterator[Metric]:

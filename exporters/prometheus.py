@@ -12,7 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from kvwatch.daemon.snapshot import Snapshot
+from prometheus_client.core import CollectorRegistry, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters import (
     prom_agent,
     prom_alerts,
@@ -26,9 +30,6 @@ from kvwatch.exporters import (
     prom_tenants,
     prom_transfers,
 )
-from prometheus_client.core import CollectorRegistry, Metric
-from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.registry import Collector
 
 
 class SnapshotCollector(Collector):

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvwatch.daemon.snapshot import Alert, ProcessView, Snapshot
+from kvwatch.daemon.model.snapshot import Alert, ProcessView, Snapshot
 from kvwatch.exporters.record_lanes import (
     LANE_NAMES,
     Lane,

@@ -10,7 +10,7 @@ its last alerts open (a gap in the connection is not a clear), and says so once.
 
 from __future__ import annotations
 
-from kvwatch.daemon.snapshot import Alert
+from kvwatch.daemon.model.snapshot import Alert
 from kvwatch.exporters.top import DaemonSource, SourceError
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvwatch.daemon.engines.views import LATENCY_NAMES
-from kvwatch.daemon.snapshot import ProcessView
+from kvwatch.daemon.model.engines import LATENCY_NAMES
+from kvwatch.daemon.model.snapshot import ProcessView
 from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 
 MIB = 1024 * 1024

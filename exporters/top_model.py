@@ -1,6 +1,6 @@
 """What ``kvwatch top`` shows: one row per watched process and a header of node totals.
 
-Pure: built from a published :class:`~kvwatch.daemon.snapshot.Snapshot`, so the
+Pure: built from a published :class:`~kvwatch.daemon.model.snapshot.Snapshot`, so the
 daemon can serve it as JSON (``/api/v1/top``) and ``top`` can build it from its
 own probes when no daemon is reachable; both render the same frame. msgspec
 structs: the daemon encodes and the client decodes (and validates) the same types.
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from kvwatch.daemon.snapshot import ProcessView, Snapshot
+    from kvwatch.daemon.model.snapshot import ProcessView, Snapshot
 
 API_PATH = "/api/v1/top"
 SCHEMA_VERSION = 1

@@ -1,5 +1,5 @@
 """Machinery shared by every detector (docs/architecture.md): baseline, warm-up, evidence
-floor, hysteresis, and the ``Finding`` a detector reports per subject.
+floor, hysteresis (the ``Finding`` a detector reports per subject: model/findings.py).
 
 Detectors are pure: their output is a function of their own previous state, the
 read-only view of per-subject series handed to them, their config and ``now``.
@@ -10,29 +10,7 @@ tests on synthetic series.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True, slots=True)
-class Subject:
-    """What an alert is about: a process, a KV tier, or both."""
-
-    key: str  # stable id: "pid:1234@5678" or "tier:3"
-    labels: Mapping[str, str]  # pid, engine, role, component, container, pod, tier
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """A detector's verdict on one subject at one evaluation."""
-
-    alert: str
-    subject: Subject
-    firing: bool
-    cause: str = ""
-    values: Mapping[str, float] = field(default_factory=dict)
-    summary: str = ""
-    severity: str = "warning"
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)

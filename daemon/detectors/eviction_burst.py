@@ -60,10 +60,11 @@ from dataclasses import dataclass, field
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EvictionBurstConfig
-from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject, threshold
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVEvictionBurst"
 STREAM_PREFIX = sn.KV_REMOVED

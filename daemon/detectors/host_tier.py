@@ -14,8 +14,9 @@ from typing import ClassVar
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import HostTierEvictionConfig
-from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
-from kvwatch.daemon.detectors.view import NodeView, TierWindow
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
+from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.windows import NodeView, TierWindow
 
 ALERT = "KVHostTierEvictionUnderPressure"
 MIB = 1024 * 1024

@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.detectors.base import Finding, Hysteresis, Subject
+from kvwatch.daemon.detectors.base import Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
-from kvwatch.daemon.engines.views import AuditRow
+from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVEngineMetricDivergence"
 

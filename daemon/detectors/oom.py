@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvwatch.daemon.config import OOMConfig
-from kvwatch.daemon.detectors.base import Finding, Subject
-from kvwatch.daemon.detectors.view import NodeView, OomEvent
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.windows import NodeView, OomEvent
 
 ALERT = "InferenceProcessOOMKilled"
 MIB = 1024 * 1024

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from kvwatch.daemon.detectors.base import Finding
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
+from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 
 class _Switchable(Protocol):

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PreemptionLivelockConfig
-from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVPreemptionLivelock"
 PREEMPTIONS, TOKENS = sn.ENGINE_PREEMPTIONS, sn.ENGINE_GENERATION_TOKENS

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
-from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, Subject
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVPrefixCacheIneffective"
 QUERIES, HITS = sn.ENGINE_PREFIX_QUERIES, sn.ENGINE_PREFIX_HITS

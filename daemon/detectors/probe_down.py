@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvwatch.daemon.detectors.base import Finding, Subject
-from kvwatch.daemon.detectors.view import NodeView
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.windows import NodeView
 from kvwatch.probes.records import HookState
 
 ALERT = "KVWatchProbeDown"

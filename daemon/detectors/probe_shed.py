@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVWatchProbeShed"
 

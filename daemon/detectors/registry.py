@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from typing import ClassVar, Protocol
 
 from kvwatch.daemon.config import DetectorsConfig
-from kvwatch.daemon.detectors.base import Finding
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
@@ -18,7 +17,8 @@ from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
-from kvwatch.daemon.detectors.view import NodeView
+from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.windows import NodeView
 
 
 class Detector(Protocol):

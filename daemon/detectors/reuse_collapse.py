@@ -25,9 +25,10 @@ from typing import ClassVar
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import ReuseCollapseConfig
-from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis, threshold
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVCacheReuseCollapse"
 GROWTH = "CUDAMemoryGrowth"

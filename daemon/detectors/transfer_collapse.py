@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TransferCollapseConfig
-from kvwatch.daemon.detectors.base import Baseline, Finding, Hysteresis
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
-from kvwatch.daemon.detectors.view import ProcessWindow
+from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVTransferBandwidthCollapse"
 MB = 1e6

@@ -13,8 +13,8 @@ from kvwatch.daemon.config import Config
 from kvwatch.daemon.doctor.checks import FAIL, OK, SKIP, Check
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
-from kvwatch.daemon.engines.views import ScrapeTarget, StreamSpec
 from kvwatch.daemon.lab.engine_sim import SimulatedVllm
+from kvwatch.daemon.model.engines import ScrapeTarget, StreamSpec
 
 CANARY = 23
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.engines.views import AuditRow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
 COPY_PROBES = "copy_probes"  # evidence: the engine's processes have their copy probes attached

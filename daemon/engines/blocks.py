@@ -47,8 +47,8 @@ from kvwatch.daemon.engines.hashmem import HashMemory, fingerprint
 from kvwatch.daemon.engines.memory_budget import cost
 from kvwatch.daemon.engines.removals import RemovalMemory
 from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN
-from kvwatch.daemon.engines.views import REGRET_BUCKETS, MediumTotals
 from kvwatch.daemon.engines.wire import Hash
+from kvwatch.daemon.model.engines import REGRET_BUCKETS, MediumTotals
 
 OFFLOAD_SETTLE_SECONDS = 5.0  # engine time a GPU removal waits for its offload's announcement
 MAX_PENDING = 1 << 16  # removals waiting, at most; past it the oldest are judged at once

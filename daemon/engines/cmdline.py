@@ -25,7 +25,7 @@ from typing import Any
 
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.reach import Reach, port_number
-from kvwatch.daemon.engines.views import EnginePlan, StreamSpec
+from kvwatch.daemon.model.engines import EnginePlan, StreamSpec
 from kvwatch.daemon.tracker import Tracked
 
 VLLM_KV_EVENTS_DEFAULT = "tcp://*:5557"

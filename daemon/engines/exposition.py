@@ -26,10 +26,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO, cast
 
-from kvwatch.daemon.engines import latency, tiers
-from kvwatch.daemon.engines.views import EngineSample, TierReading
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_fd_to_metric_families
+
+from kvwatch.daemon.engines import latency, tiers
+from kvwatch.daemon.model.engines import EngineSample, TierReading
 
 # field -> sample names in order of preference (counters as exposed, with _total)
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")  # 0..1

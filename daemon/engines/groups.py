@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvwatch.daemon.engines.blocks import MediumBlocks
-from kvwatch.daemon.engines.views import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
+from kvwatch.daemon.model.engines import FULL_KINDS, OTHER_GROUP, GroupTotals, MediumTotals
 
 if TYPE_CHECKING:
     from kvwatch.daemon.engines.memory_budget import StreamPlan

@@ -34,16 +34,17 @@ from collections.abc import Callable, Iterable
 
 import structlog
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from kvwatch.daemon.engines.kv_sequence import MAX_JUMP, StreamSequence
 from kvwatch.daemon.engines.kv_stream import MAX_MESSAGE_BYTES, QUEUE_MESSAGES, Payload, Replay, Stream
 from kvwatch.daemon.engines.memory_budget import DEFAULT_BYTES, MemoryBudget
 from kvwatch.daemon.engines.memory_guard import MemoryGuard, cgroup_limit
 from kvwatch.daemon.engines.tenants import TenantNamer
-from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import WireError, parse_frames, parse_replay, replay_request
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from zmq.utils.monitor import recv_monitor_message
+from kvwatch.daemon.model.engines import StreamSpec, StreamStats
 
 log = structlog.get_logger("kvwatch.kv_events")
 

@@ -16,12 +16,13 @@ import contextlib
 from dataclasses import dataclass
 
 import zmq
+
 from kvwatch.daemon.engines.kv_sequence import Ranges, StreamSequence
 from kvwatch.daemon.engines.memory_budget import MemoryBudget
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import TenantNamer
-from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import Frame
+from kvwatch.daemon.model.engines import StreamSpec, StreamStats
 
 MAX_MESSAGE_BYTES = 16 << 20  # a frame; vLLM's largest batch carries a step's token ids: ~3M tokens' worth
 QUEUE_MESSAGES = 4  # per socket: RCVHWM x MAX_MESSAGE_BYTES is what ZMQ may hold of one stream's 1-frame messages

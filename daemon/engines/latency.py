@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvwatch.daemon.engines.views import LatencyReading
+from kvwatch.daemon.model.engines import LatencyReading
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvwatch.daemon.engines.views import EngineSample, GroupTotals, LossTotal, MediumTotals, StreamStats
+from kvwatch.daemon.model.engines import EngineSample, GroupTotals, LossTotal, MediumTotals, StreamStats
 
 GPU = "GPU"
 LOWER_TIER = "cpu"  # where a GPU block that was never offloaded should have gone

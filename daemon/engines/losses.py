@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.detectors.view import OomEvent
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
-from kvwatch.daemon.families.memory import MemoryFamily
+from kvwatch.daemon.model.windows import OomEvent, TierPageLoss
 from kvwatch.daemon.tracker import Tracked
 
 
@@ -22,7 +21,7 @@ def preempt_window(scrape_interval: float) -> float:
 def account_losses(
     ledger: LossLedger,
     taps: EngineTaps | None,
-    memory: MemoryFamily,
+    tier_losses: Sequence[TierPageLoss],
     tracked: Sequence[Tracked],
     now: float,
     *,
@@ -30,7 +29,7 @@ def account_losses(
 ) -> None:
     if taps is not None:
         _engines(ledger, taps, tracked)
-    _tiers(ledger, memory, owners)
+    _tiers(ledger, tier_losses, owners)
     for t in tracked:
         led = ledger.engines.get(t.key)
         if led is not None:
@@ -58,14 +57,10 @@ def account_oom(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]
             ledger.of(owner).oom(g for s in taps.streams_of(owner) for g in s.groups)
 
 
-def _tiers(ledger: LossLedger, memory: MemoryFamily, owners: Mapping[int, list[Tracked]]) -> None:
+def _tiers(ledger: LossLedger, losses: Sequence[TierPageLoss], owners: Mapping[int, list[Tracked]]) -> None:
     """A disk tier's losses go to the first process it belongs to; one owned by none is only
     in the tier's own families (kvwatch_kv_tier_evicted_bytes_total)."""
-    if memory.tiers is None:
-        return
-    for tier in memory.tiers.tiers.values():
-        series = memory.tier_series.get(tier.tier_id)
-        first = owners.get(tier.tier_id)
-        if series is None or not first:
-            continue
-        ledger.of(first[0].key).tier(tier.tier_id, series.last(sn.RECLAIM_BYTES), series.last(sn.POLICY_BYTES))
+    for loss in losses:
+        first = owners.get(loss.tier_id)
+        if first:
+            ledger.of(first[0].key).tier(loss.tier_id, loss.reclaim_bytes, loss.policy_bytes)

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import structlog
+
 from kvwatch.daemon.engines.exposition import DeadlineExceeded, PageError, parse_exposition
-from kvwatch.daemon.engines.views import EngineSample, ScrapeTarget, TargetState
+from kvwatch.daemon.model.engines import EngineSample, ScrapeTarget, TargetState
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer

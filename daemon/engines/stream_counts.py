@@ -29,8 +29,8 @@ from kvwatch.daemon.engines.groups import MediumGroups, group_key
 from kvwatch.daemon.engines.hashmem import fingerprint
 from kvwatch.daemon.engines.memory_budget import MemoryBudget, StreamPlan
 from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN, TenantBook, TenantNamer
-from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.engines.wire import CLEARED, REMOVED, STORED, Batch, Decoder, Event, Stored, WireError
+from kvwatch.daemon.model.engines import MediumTotals, StreamSpec, StreamStats
 
 BLOCK_EVENTS = (*STORED, *REMOVED)
 LEARN_BATCHES = 64

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
 from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
@@ -22,7 +23,9 @@ from kvwatch.daemon.engines.metrics import EngineScraper
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer, load_key
-from kvwatch.daemon.engines.views import (
+from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
+from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.engines import (
     TIER_COUNTERS,
     EnginePlan,
     EngineSample,
@@ -33,8 +36,6 @@ from kvwatch.daemon.engines.views import (
     StreamStats,
     TargetState,
 )
-from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
-from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.tracker import Tracked
 
 log = structlog.get_logger("kvwatch.engine_taps")

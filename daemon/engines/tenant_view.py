@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvwatch.daemon.engines.tenants import TenantFold
-from kvwatch.daemon.engines.views import (
+from kvwatch.daemon.model.engines import (
     EngineView,
     LossTotal,
     MediumTotals,

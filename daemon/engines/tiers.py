@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvwatch.daemon.engines.views import TierReading
+from kvwatch.daemon.model.engines import TierReading
 
 SUM, RANK0 = "sum", "rank0"  # every rank counts its own share / every rank reports the same number
 

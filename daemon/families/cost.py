@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
-from kvwatch.daemon.snapshot import FamilyCost, ProgramRuns, SelfCostView
+from kvwatch.daemon.model.snapshot import FamilyCost, ProgramRuns, SelfCostView
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.bpf import Program
 from kvwatch.probes.uprobes import PerProcessUprobes

@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.families.attachments import Attached, FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.snapshot import CudaView
+from kvwatch.daemon.model.snapshot import CudaView
 from kvwatch.probes.cuda import CUDA_APIS, AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
 from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 

@@ -13,10 +13,9 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 import structlog
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.detectors.base import Subject
-from kvwatch.daemon.detectors.view import OomEvent, ProcessWindow, TierWindow
 from kvwatch.daemon.discovery import DiscoveredProcess
 from kvwatch.daemon.families.kv_files import KVTierRegistry, Tier
 from kvwatch.daemon.families.kv_inotify import KVFileWatcher
@@ -24,8 +23,10 @@ from kvwatch.daemon.families.oom import oom_event
 from kvwatch.daemon.families.reclaimers import CgroupPaths, Reclaimer, TierReclaimers
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.series import SeriesSet
-from kvwatch.daemon.snapshot import ProbeView, TierCounters, TierRates, TierReclaimer, TierView
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.snapshot import ProbeView, TierCounters, TierRates, TierReclaimer, TierView
+from kvwatch.daemon.model.windows import OomEvent, ProcessWindow, TierPageLoss, TierWindow
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.memory import HOOKS, MemoryProbes
@@ -271,6 +272,17 @@ class MemoryFamily:
         if self.tiers is None:
             return {}
         return {tier.tier_id: self.tier_owners(tier) for tier in self.tiers.tiers.values()}
+
+    def tier_page_losses(self) -> list[TierPageLoss]:
+        """Each tier's page cache dropped so far, for the KV loss ledger."""
+        if self.tiers is None:
+            return []
+        out = []
+        for tier in self.tiers.tiers.values():
+            series = self.tier_series.get(tier.tier_id)
+            if series is not None:
+                out.append(TierPageLoss(tier.tier_id, series.last(sn.RECLAIM_BYTES), series.last(sn.POLICY_BYTES)))
+        return out
 
     def tier_windows(
         self, now: float, processes: dict[str, ProcessWindow], owners: Mapping[int, list[Tracked]]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvwatch.daemon.detectors.base import Subject
-from kvwatch.daemon.detectors.view import OomEvent
 from kvwatch.daemon.host.cgroups import parse_cgroup
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.windows import OomEvent
 from kvwatch.daemon.tracker import ProcessTracker, Tracked, process_labels
 from kvwatch.probes.records import OomKill
 

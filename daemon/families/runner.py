@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.snapshot import ProbeView
+from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.records import HookState

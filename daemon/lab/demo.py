@@ -40,7 +40,7 @@ from kvwatch.daemon.lab.netlab import veth_pair
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.stublib import StubBuildError, build, build_transfer
 from kvwatch.daemon.lab.workloads import MIB, Workload, drop_file_cache, make_files, workload_pattern
-from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.daemon.model.snapshot import Snapshot
 
 DEMO_RULES = [
     {"engine": "demo", "cmdline": workload_pattern("engine", "oom", "cuda", "xferstub")},

@@ -162,7 +162,9 @@ def main() -> None:
     ap.add_argument("--phase-seconds", default="", help="override phases' lengths: solo=40,recover=20")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds this script may take, all told")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scenario", choices=["issue24", "issue36", "issue36park"], default="issue24", help="tenants and phases")
+    ap.add_argument(
+        "--scenario", choices=["issue24", "issue36", "issue36park"], default="issue24", help="tenants and phases"
+    )
     ap.add_argument("--cpu-tier", type=float, default=0.0, help="GiB of vLLM's CPU offload tier (0: none)")
     ap.add_argument("--defaults", action="store_true", help="kvwatch's detectors at their defaults")
     args = ap.parse_args()

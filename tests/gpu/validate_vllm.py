@@ -489,7 +489,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plan", choices=["first", "second", "cost", "noprefix", "all"], required=True)
-    ap.add_argument("--skip", action="append", default=[], choices=["preempt"], help="leave a phase of the first plan out")
+    ap.add_argument(
+        "--skip", action="append", default=[], choices=["preempt"], help="leave a phase of the first plan out"
+    )
     ap.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
     ap.add_argument("--vllm-site", default="/tmp/vsite")
     ap.add_argument("--model", default="/tmp/tiny")

@@ -11,9 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvwatch.daemon.config import AlertmanagerConfig
-from kvwatch.daemon.snapshot import Alert
+from kvwatch.daemon.model.snapshot import Alert
 from kvwatch.exporters.alertmanager import AlertmanagerSink
-
 from tests.support.daemon import wait_until
 from tests.support.http import recording_server
 

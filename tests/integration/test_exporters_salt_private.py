@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.engines.views import EnginePlan, EngineView
+
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
+from kvwatch.daemon.model.engines import EnginePlan, EngineView
 from kvwatch.exporters.record import TraceRecorder
-
 from tests.support.daemon import daemon, free_port, wait_until
 from tests.support.engine_sim import engines_only
 from tests.support.kv_scripts import script_stats

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.snapshot import Snapshot
-from kvwatch.exporters.http import MetricsServer
-from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.exporters.http import MetricsServer
+from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from tests.support.daemon import wait_until
 from tests.support.snapshots import snap
 
@@ -266,7 +266,9 @@ def test_an_oversized_request_head_is_refused() -> None:
         host, port = srv.address
         with socket.create_connection((host, port), timeout=10) as s:
             try:  # the server stops reading at its bound: the rest of this may meet a closed connection
-                s.sendall(b"GET /metrics HTTP/1.0\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 60000) for i in range(90)))
+                s.sendall(
+                    b"GET /metrics HTTP/1.0\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 60000) for i in range(90))
+                )
                 s.shutdown(socket.SHUT_WR)
                 head = s.recv(100)
             except (BrokenPipeError, ConnectionResetError):

@@ -16,11 +16,11 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+
 from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
-
+from kvwatch.daemon.model.engines import StreamSpec, StreamStats
 from tests.support.daemon import free_port, wait_until
 from tests.support.kv_scripts import CAPTURES, frames, load
 

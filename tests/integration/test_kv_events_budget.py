@@ -10,10 +10,9 @@ from collections.abc import Iterator
 
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.memory_budget import cost
-from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
-
+from kvwatch.daemon.model.engines import StreamSpec, StreamStats
 from tests.support.daemon import free_port, wait_until
 
 S, R = 4096, 4096  # one group's bounds: a stream of one GPU group holds at most S + R

@@ -10,9 +10,9 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvwatch.daemon.engines.kv_events import KVEventHub
-from kvwatch.daemon.engines.views import StreamSpec
 
+from kvwatch.daemon.engines.kv_events import KVEventHub
+from kvwatch.daemon.model.engines import StreamSpec
 from tests.support.kv_fuzz import streams
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -23,16 +23,16 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from structlog.testing import capture_logs
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.memory_guard import trim_heap
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.taps import EngineTaps
-from kvwatch.daemon.engines.views import StreamSpec, StreamStats
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from structlog.testing import capture_logs
-
+from kvwatch.daemon.model.engines import StreamSpec, StreamStats
 from tests.support.daemon import free_port, wait_until
 
 ENC = msgspec.msgpack.Encoder()
@@ -129,7 +129,9 @@ def test_batches_that_break_decoding_are_counted_and_every_other_batch_counts(hu
     assert hub.failures == {}
 
 
-def test_a_failure_inside_the_accounting_drops_that_batch_only(hub: KVEventHub, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_inside_the_accounting_drops_that_batch_only(
+    hub: KVEventHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The last line of defence: whatever one message raises (here an injected fault in the
     accounting, as a bug would) is counted as ``internal`` and the next message counts."""
     real = StreamCounts._store

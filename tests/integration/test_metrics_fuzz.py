@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.engines.exposition import REJECT_REASONS, parse_exposition
 from kvwatch.daemon.engines.metrics import EngineScraper
-from kvwatch.daemon.engines.views import ScrapeTarget, TargetState
-
+from kvwatch.daemon.model.engines import ScrapeTarget, TargetState
 from tests.support.engine_pages import Routes, page_server
 from tests.support.kv_scripts import FIXTURES
 
@@ -98,7 +98,9 @@ def assert_round(good: TargetState, bad: TargetState) -> None:
 
 @SETTINGS
 @given(st.sampled_from(REAL), st.data())
-def test_a_bad_page_never_stops_a_good_one_and_is_counted(server: tuple[str, Routes], page: bytes, data: st.DataObject) -> None:
+def test_a_bad_page_never_stops_a_good_one_and_is_counted(
+    server: tuple[str, Routes], page: bytes, data: st.DataObject
+) -> None:
     base, routes = server
     routes["/good"] = (200, GOOD, 0.0)
     routes["/bad"] = (200, mutate(page, data), 0.0)

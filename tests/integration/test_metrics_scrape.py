@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import pytest
 import structlog
-from kvwatch.daemon.engines.metrics import EngineScraper
-from kvwatch.daemon.engines.views import EnginePlan, EngineSample, EngineView, ScrapeTarget
-from kvwatch.exporters.prom_engines import engine_families
 
+from kvwatch.daemon.engines.metrics import EngineScraper
+from kvwatch.daemon.model.engines import EnginePlan, EngineSample, EngineView, ScrapeTarget
+from kvwatch.exporters.prom_engines import engine_families
 from tests.support.daemon import wait_until
 from tests.support.engine_pages import Routes, page_server
 from tests.support.kv_scripts import FIXTURES as ALL_FIXTURES

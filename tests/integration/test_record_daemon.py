@@ -10,12 +10,11 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvwatch.daemon.snapshot import Alert
+from kvwatch.daemon.model.snapshot import Alert
 from kvwatch.exporters.record import Lane, TraceRecorder
 from kvwatch.exporters.record_daemon import DaemonAlerts
 from kvwatch.exporters.top import DaemonSource
 from kvwatch.exporters.top_model import API_PATH, build_frame, encode
-
 from tests.support.snapshots import T0_NS, T0_WALL, snap
 
 ALERT = Alert(

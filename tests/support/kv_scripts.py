@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.engines.stream_counts import StreamCounts
-from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.lab import wire_encode as we
+from kvwatch.daemon.model.engines import MediumTotals, StreamSpec, StreamStats
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 # Captured off the wire from the real ZmqEventPublisher of four vLLM releases (tests/tools/vllm_capture.py).

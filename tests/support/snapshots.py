@@ -4,7 +4,7 @@ the loop would publish them at monotonic time ``t``."""
 from __future__ import annotations
 
 from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
-from kvwatch.daemon.snapshot import (
+from kvwatch.daemon.model.snapshot import (
     Alert,
     CudaView,
     MemoryCounters,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TenantThrashConfig
-from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 PREFIX = "kvwatch_kv_tenant_blocks_"
 SERIES = {"stored": sn.KV_TENANT_STORED, "removed": sn.KV_TENANT_REMOVED, "regretted": sn.KV_TENANT_REGRETTED}

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.config import EvictionBurstConfig
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 THRASH_SECONDS = 10.0
 

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from kvwatch.daemon.config import AlertmanagerConfig
-from kvwatch.daemon.snapshot import Alert
+from kvwatch.daemon.model.snapshot import Alert
 from kvwatch.exporters.alertmanager import AlertmanagerSink
 
 

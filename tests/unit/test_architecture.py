@@ -5,7 +5,8 @@ import counted, those inside functions too.
   the doctor's canaries and the CLI's ``demo`` command;
 * exporters read snapshots and records: never the agent, the wiring, a probe family or a
   probe loader;
-* the snapshot and the record modules it is made of import only each other;
+* the data between the layers (``daemon/model``) imports only itself and the probes' records;
+* detectors are reached from outside only through their registry;
 * probes import nothing from the daemon or the exporters;
 * bcc is imported in ``probes/bpf.py`` alone;
 * imports have no cycle, those inside functions included (a lazy import is still a dependency).
@@ -20,7 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"daemon": "kvwatch.daemon", "probes": "kvwatch.probes", "exporters": "kvwatch.exporters"}
-RECORDS = {"kvwatch.daemon.engines.views", "kvwatch.probes.records"}
+MODEL = "kvwatch.daemon.model"
+RECORDS = {"kvwatch.daemon.model.engines", "kvwatch.daemon.model.findings", "kvwatch.probes.records"}
 LAB = "kvwatch.daemon.lab"
 
 
@@ -90,7 +92,7 @@ def test_lab_is_reached_only_by_the_doctor_and_the_demo_command() -> None:
 def test_exporters_read_snapshots_and_records_only() -> None:
     allowed = (
         "kvwatch.exporters",
-        "kvwatch.daemon.snapshot",
+        "kvwatch.daemon.model.snapshot",
         "kvwatch.daemon.config",  # listen addresses, the Alertmanager section
         *RECORDS,
     )
@@ -102,17 +104,34 @@ def test_exporters_read_snapshots_and_records_only() -> None:
     assert bad == []
 
 
-def test_snapshot_and_records_are_data_only() -> None:
-    pure = {"kvwatch.daemon.snapshot", *RECORDS}
-    bad = [f"{i.source} -> {i.target}" for i in internal() if i.source in pure and i.target not in RECORDS]
+def test_the_model_is_data_only() -> None:
+    bad = [
+        f"{i.source}:{i.line} -> {i.target}"
+        for i in internal()
+        if i.source.startswith(MODEL) and not i.target.startswith((MODEL, "kvwatch.probes.records"))
+    ]
     assert bad == []
     third_party = [
         f"{i.source} -> {i.target}"
         for i in ALL
-        if i.source in pure
+        if i.source.startswith(MODEL)
         and i.target.split(".")[0] not in ("__future__", "collections", "dataclasses", "enum", "typing", "kvwatch")
     ]
     assert third_party == []
+
+
+def test_detectors_are_reached_through_their_registry_only() -> None:
+    """What detectors read and report is in the model; nothing outside detectors/ depends on one
+    detector's module or their shared machinery."""
+    detectors = "kvwatch.daemon.detectors"
+    bad = [
+        f"{i.source}:{i.line} -> {i.target}"
+        for i in internal()
+        if i.target.startswith(detectors + ".")
+        and not i.source.startswith(detectors)
+        and i.target != detectors + ".registry"
+    ]
+    assert bad == []
 
 
 def test_probes_know_nothing_of_the_daemon() -> None:

@@ -9,15 +9,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.audit import AuditSettings, Evidence, ProcessAudit, divergence, diverges
 from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.engines.views import AuditRow
-from kvwatch.daemon.series import CounterSeries, SeriesSet
-
+from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import CounterSeries, SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import REAL_BLOCK_BYTES
 from tests.tools.vllm_run_fixtures import uncompact
 

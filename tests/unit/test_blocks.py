@@ -17,9 +17,8 @@ from typing import Any
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.hashmem import HashMemory
-from kvwatch.daemon.engines.views import REGRET_BUCKETS
 from kvwatch.daemon.lab import wire_encode as we
-
+from kvwatch.daemon.model.engines import REGRET_BUCKETS
 from tests.support.kv_scripts import publish_script, script_stats
 from tests.tools.vllm_run_fixtures import uncompact
 

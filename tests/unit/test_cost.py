@@ -4,13 +4,14 @@ synthetic ticks: a process's probed calls and CPU time, the per-call cost given.
 from __future__ import annotations
 
 import pytest
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import SelfCostConfig
-from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.probe_shed import ProbeShed
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.families.cost import Sample, SelfCost, hot_apis
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CONFIG = SelfCostConfig(budget=0.01, window_seconds=2.0, windows=3, backoff_seconds=10.0, backoff_max_seconds=25.0)
 

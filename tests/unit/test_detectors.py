@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.config import HostTierEvictionConfig, OOMConfig
-from kvwatch.daemon.detectors.base import Baseline, Hysteresis, Subject
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.host_tier import ALERT, HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.probe_down import ProbeDown
-from kvwatch.daemon.detectors.view import NodeView, OomEvent, ProcessWindow, TierWindow
-from kvwatch.daemon.series import CounterSeries, SeriesSet
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import CounterSeries, SeriesSet
+from kvwatch.daemon.model.windows import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.probes.records import HookState, HookStatus
 
 MIB = 1024 * 1024

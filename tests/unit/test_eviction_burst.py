@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+
 from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.config import EvictionBurstConfig
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CFG = EvictionBurstConfig(
     warmup_seconds=10,

@@ -10,9 +10,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvwatch.daemon.config import DetectorsConfig
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
-from kvwatch.daemon.engines.views import (
+from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
+from kvwatch.daemon.model.engines import (
     AuditRow,
     EnginePlan,
     EngineSample,
@@ -28,8 +32,7 @@ from kvwatch.daemon.engines.views import (
     TenantsView,
     TierReading,
 )
-from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
-from kvwatch.daemon.snapshot import (
+from kvwatch.daemon.model.snapshot import (
     Alert,
     CudaView,
     FamilyCost,
@@ -48,8 +51,6 @@ from kvwatch.daemon.snapshot import (
 )
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.records import ApiCounters, XferCounters, bucket_of
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 TENANTS = TenantsView(
     rows=(

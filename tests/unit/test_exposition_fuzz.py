@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.engines import exposition as ex
-from kvwatch.daemon.engines.views import EngineSample
+from kvwatch.daemon.model.engines import EngineSample
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 PAGES = {p.name: p.read_text() for p in sorted(FIXTURES.glob("*.txt"))}
@@ -124,7 +125,7 @@ def test_hostile_values_are_counted_by_reason_and_stop_nothing_else(name: str, d
 
 
 @FUZZ
-@given(st.sampled_from(sorted(PAGES)), st.integers(0, 10**6), st.sampled_from(["{", "{a=\"", "x{a=b} 1", "x 1 2x"]))
+@given(st.sampled_from(sorted(PAGES)), st.integers(0, 10**6), st.sampled_from(["{", '{a="', "x{a=b} 1", "x 1 2x"]))
 def test_a_garbage_line_fails_the_page_at_its_line_never_quoting_it(name: str, where: int, garbage: str) -> None:
     lines = PAGES[name].split("\n")
     at = where % (len(lines) + 1)

@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_GROUPS, MediumGroups
-from kvwatch.daemon.engines.views import OTHER_GROUP, GroupTotals, StreamStats
 from kvwatch.daemon.lab import wire_encode as we
-
+from kvwatch.daemon.model.engines import OTHER_GROUP, GroupTotals, StreamStats
 from tests.support.kv_scripts import script_stats
 
 BS = 16

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvwatch.daemon.engines.latency import RULES
 from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.engines.views import LATENCY_NAMES, LatencyReading
+from kvwatch.daemon.model.engines import LATENCY_NAMES, LatencyReading
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvwatch.daemon.engines.blocks import OFFLOAD_SETTLE_SECONDS, MediumBlocks
 from kvwatch.daemon.engines.ledger import FALLBACK_SCRAPES, STABLE_SCRAPES, EngineLedger, LossLedger
-from kvwatch.daemon.engines.views import (
+from kvwatch.daemon.lab import wire_encode as we
+from kvwatch.daemon.model.engines import (
     EngineSample,
     GroupTotals,
     LossTotal,
@@ -24,8 +25,6 @@ from kvwatch.daemon.engines.views import (
     StreamSpec,
     StreamStats,
 )
-from kvwatch.daemon.lab import wire_encode as we
-
 from tests.support.kv_scripts import REAL_BLOCK_BYTES, publish_script
 from tests.tools.vllm_run_fixtures import uncompact
 

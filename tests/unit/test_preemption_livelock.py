@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import DetectorsConfig, PreemptionLivelockConfig
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.preemption_livelock import PreemptionLivelock
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CFG = PreemptionLivelockConfig(warmup_seconds=10, baseline_min_seconds=20, window_seconds=5, clear_windows=3)
 SUBJECT = Subject("7@1", {"pid": "7", "engine": "vllm"})

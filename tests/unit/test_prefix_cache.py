@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import DetectorsConfig, PrefixCacheIneffectiveConfig
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.blocks import MediumBlocks
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CFG = PrefixCacheIneffectiveConfig(warmup_seconds=10, window_seconds=20, clear_windows=3)
 SUBJECT = Subject("7@1", {"pid": "7", "engine": "vllm"})

@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvwatch.daemon.config import DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.cmdline import MAX_DATA_PARALLEL_RANKS, plan_from_cmdline
 from kvwatch.daemon.engines.reach import Reach, local_addresses
-from kvwatch.daemon.engines.views import EnginePlan, EngineView
 from kvwatch.daemon.host.procfs import ProcFS
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.engines import EnginePlan, EngineView
+from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.exporters.prom_engines import engine_families
-
 from tests.support.procfs import FakeProc, make_proc
 from tests.support.snapshots import snap
 
@@ -74,7 +74,9 @@ def test_a_name_is_refused_never_resolved(tmp_path: Path, host: str) -> None:
 def test_an_address_of_its_own_namespace_is_allowed_another_is_not(tmp_path: Path) -> None:
     """A pod with two addresses: either is its own (the second too, not only the first the
     routing table lists); a neighbour's address is not."""
-    own = plan(tmp_path / "a", [*VLLM, "--host", "10.244.2.9", "--port", "8001"], pod=True, local=("10.244.1.7", "10.244.2.9"))
+    own = plan(
+        tmp_path / "a", [*VLLM, "--host", "10.244.2.9", "--port", "8001"], pod=True, local=("10.244.1.7", "10.244.2.9")
+    )
     assert own.metrics_url == "http://10.244.2.9:8001/metrics" and own.refused == {}
     v6 = plan(tmp_path / "b", [*VLLM, "--host", "fd00::7"], pod=True, local=("10.244.1.7",))
     assert v6.metrics_url == "http://[fd00::7]:8000/metrics"

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kvwatch.daemon.engines.views import (
+from kvwatch.daemon.model.engines import (
     EnginePlan,
     EngineView,
     LatencyReading,
@@ -17,13 +17,12 @@ from kvwatch.daemon.engines.views import (
     TenantRow,
     TenantsView,
 )
-from kvwatch.daemon.snapshot import (
+from kvwatch.daemon.model.snapshot import (
     Alert,
     Snapshot,
 )
 from kvwatch.exporters.record import LANE_NAMES, MIB, Lane, TraceRecorder, write_trace
 from kvwatch.probes.records import TransferDone
-
 from tests.support.snapshots import T0_NS, T0_WALL, snap
 from tests.support.trace_format import problems
 

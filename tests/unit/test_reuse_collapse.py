@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kvwatch.daemon.config import ReuseCollapseConfig
-from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.reuse_collapse import ALERT, GROWTH, ReuseCollapse, allocator_settings
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 MIB = 1024 * 1024
 FIELDS = (

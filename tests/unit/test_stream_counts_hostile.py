@@ -15,8 +15,9 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from kvwatch.daemon.engines.stream_counts import StreamCounts
-from kvwatch.daemon.engines.views import MediumTotals
+from kvwatch.daemon.model.engines import MediumTotals
 
 ENC = msgspec.msgpack.Encoder()
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.discovery import Discovery
@@ -14,12 +15,11 @@ from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, pla
 from kvwatch.daemon.engines.reach import Reach, local_ipv4
 from kvwatch.daemon.engines.taps import EngineTaps, tenant_series
 from kvwatch.daemon.engines.tenant_view import TenantFolds
-from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.engines import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.tracker import Tracked
-
 from tests.support.procfs import FakeProc, make_proc
 
 FIB_TRIE = """Main:
@@ -304,7 +304,7 @@ class _Sleeping(_Recorder):
         self.at = 0.0
 
     def states(self) -> dict[Any, Any]:
-        from kvwatch.daemon.engines.views import EngineSample, TargetState
+        from kvwatch.daemon.model.engines import EngineSample, TargetState
 
         return {t: TargetState(t, 1, {}, EngineSample(at=self.at, sleeping=True)) for t in self.targets}
 

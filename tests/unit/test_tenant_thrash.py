@@ -9,19 +9,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.config import DetectorsConfig, TenantRule, TenantThrashConfig
-from kvwatch.daemon.detectors.base import Finding, Subject
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.taps import stream_series, tenant_series
 from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.engine_sim_pool import BlockPool, Scheduler
-from kvwatch.daemon.series import SeriesSet
-
+from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import SCRIPT_SPEC
 
 CFG = TenantThrashConfig(warmup_seconds=10, baseline_min_seconds=10, window_seconds=5, floor_regretted_per_second=2)

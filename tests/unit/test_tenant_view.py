@@ -13,20 +13,20 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.engines.tenants import TenantNamer
-from kvwatch.daemon.engines.views import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.engine_sim_pool import BlockPool, Scheduler
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.snapshot import Snapshot
+from kvwatch.daemon.model.engines import MediumTotals, StreamSpec, StreamStats
+from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.prom_tenants import tenant_families
-
 from tests.support.procfs import FakeProc, make_proc
 
 KV = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}

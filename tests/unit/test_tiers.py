@@ -9,11 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.engines.views import EnginePlan, EngineView, TierReading
-from kvwatch.daemon.snapshot import MemoryCounters, ProcessRates, ProcessView, Snapshot
-from kvwatch.exporters.prom_engine_tiers import tier_families
 
+from kvwatch.daemon.engines.metrics import parse_exposition
+from kvwatch.daemon.model.engines import EnginePlan, EngineView, TierReading
+from kvwatch.daemon.model.snapshot import MemoryCounters, ProcessRates, ProcessView, Snapshot
+from kvwatch.exporters.prom_engine_tiers import tier_families
 from tests.tools.engine_metrics_fixtures import TIER_VALUES
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"

@@ -8,9 +8,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from kvwatch.daemon.engines.views import EnginePlan, EngineView, TenantRow, TenantsView
+
 from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
-from kvwatch.daemon.snapshot import (
+from kvwatch.daemon.model.engines import EnginePlan, EngineView, TenantRow, TenantsView
+from kvwatch.daemon.model.snapshot import (
     Alert,
     CudaView,
     MemoryCounters,

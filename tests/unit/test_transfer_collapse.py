@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwatch.daemon.config import TransferCollapseConfig
-from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.transfer_collapse import ALERT, TransferCollapse
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
 from kvwatch.daemon.families.transfer import link_bytes_per_second
 from kvwatch.daemon.host.procfs import ProcFS
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 MB = 1e6
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.config import TransferCollapseConfig
-from kvwatch.daemon.detectors.base import Subject
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
-from kvwatch.daemon.detectors.view import NodeView, ProcessWindow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "transfers" / "vllm-0.26.0-pd-h200.json.gz"
 RUN_SETTINGS = {"warmup_seconds": 30}  # the run's --set; every other setting at its default

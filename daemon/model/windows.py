@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.detectors.base import Subject
-from kvwatch.daemon.engines.views import AuditRow
-from kvwatch.daemon.series import SeriesSet
+from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.probes.records import HookStatus
 
 
@@ -28,6 +28,16 @@ class TierWindow:
     age: float
     series: SeriesSet  # reclaim_pages, policy_pages, refault_pages, added_pages (+ _bytes)
     owners: Sequence[ProcessWindow] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TierPageLoss:
+    """A KV tier's page cache dropped so far (cumulative bytes): by reclaim, or by the engine's
+    own policy (deleting or truncating its files)."""
+
+    tier_id: int
+    reclaim_bytes: float
+    policy_bytes: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.engines.views import AuditRow, EngineView, LossTotal, TenantsView
+from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView
 from kvwatch.probes.records import ApiCounters, XferCounters
 
 
