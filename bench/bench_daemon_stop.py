@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvwatch.daemon.lab.stublib import build
 from kvwatch.daemon.lab.workloads import workload_rule
-
 from tests.support.daemon import DaemonProcess, wait_attached
 from tests.support.kernel import Child
 

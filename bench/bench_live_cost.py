@@ -47,8 +47,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_memory import ITERS, PAGES, run_workload
 from bench_memory import build as build_munmap_loop
-from kvwatch.daemon.lab.stublib import build as build_stub
 
+from kvwatch.daemon.lab.stublib import build as build_stub
 from tests.support.daemon import DaemonProcess, wait_until
 
 PAIRS = 200_000  # cudaMalloc+cudaFree pairs per run: 400,000 probed calls

@@ -30,7 +30,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
-
 from tests.support.daemon import DaemonProcess, wait_until
 
 CLK = os.sysconf("SC_CLK_TCK")

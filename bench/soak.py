@@ -34,9 +34,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvwatch.daemon.lab.stublib import build
 from kvwatch.daemon.lab.workloads import workload_pattern
-from prometheus_client.parser import text_string_to_metric_families
 
 PY = sys.executable
 RULE = workload_pattern("pages", "cuda")

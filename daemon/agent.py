@@ -19,7 +19,7 @@ import structlog
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.detectors.registry import alert_names, build_detectors, lasting_alerts
+from kvwatch.daemon.detectors.registry import alert_label_names, alert_names, build_detectors, lasting_alerts
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.audit import Evidence, MetricAudit, audit_settings
 from kvwatch.daemon.engines.ledger import LossLedger
@@ -113,7 +113,10 @@ class Agent:
         self.allocator = allocator  # hands a burst's freed memory back (host/allocator.py)
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
         self.alerts = AlertBook(
-            default_sinks + list(sinks or []), alert_names(self.detectors), lasting_alerts(self.detectors)
+            default_sinks + list(sinks or []),
+            alert_names(self.detectors),
+            lasting_alerts(self.detectors),
+            alert_label_names(),
         )
         self._subscribers: list[_Subscriber] = []
         self._next_scan = 0.0

@@ -60,10 +60,18 @@ class LogSink:
 class AlertBook:
     """Active alerts and onset counts; notifies sinks exactly once per onset and per clear."""
 
-    def __init__(self, sinks: Iterable[AlertSink], names: Iterable[str] = (), lasting: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        sinks: Iterable[AlertSink],
+        names: Iterable[str] = (),
+        lasting: Iterable[str] = (),
+        labels: Iterable[str] = (),
+    ) -> None:
         """``names``: every alert the detectors raise (counted from zero); ``lasting``: those that
-        stay when their subject goes (``detectors/registry.py``)."""
+        stay when their subject goes; ``labels``: the labels their specs declare beyond a
+        process's (``detectors/registry.py``)."""
         self.sinks = list(sinks)
+        self.labels = tuple(labels)
         self.active: dict[tuple[str, str], Alert] = {}
         self.fired: dict[str, int] = dict.fromkeys(names, 0)
         self.lasting = frozenset(lasting)
@@ -133,6 +141,7 @@ class AlertBook:
             recent=tuple(self.history[-recent:]),
             sink_errors=self.sink_errors,
             alertmanager=self.sink_stats(),
+            labels=self.labels,
         )
 
     def sink_stats(self) -> dict[str, int] | None:

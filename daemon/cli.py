@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from kvwatch.daemon import logs
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.config.load import ConfigError, load_config

@@ -226,6 +226,7 @@ def build_snapshot(p: Parts) -> Snapshot:
         tiers=p.tiers,
         alerts=p.alerts.active,
         alerts_fired=p.alerts.fired,
+        alert_labels=p.alerts.labels,
         oom_kills=p.oom_kills,
         probes=p.probes,
         lost=p.lost,

@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any
 
 import structlog
+
 from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.alerts import AlertSink
 from kvwatch.daemon.config import Config, parse_listen

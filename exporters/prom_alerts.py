@@ -10,16 +10,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
 
-ALERT_LABELS = ("alert", "cause", "severity", *PROCESS_LABELS, "tier", "probe", "medium", "tenant", "aggressor")
-
 
 def active_family(s: Snapshot) -> Iterator[Metric]:
-    active = GaugeMetricFamily(
-        "kvwatch_alert_active", "1 while a detector's alert is firing", labels=list(ALERT_LABELS)
-    )
+    """Labelled with what every alert's spec declares (``Snapshot.alert_labels``), so a label a
+    detector sets is exported, or is caught by the specs' test before it ships."""
+    names = ("alert", "cause", "severity", *PROCESS_LABELS, *s.alert_labels)
+    active = GaugeMetricFamily("kvwatch_alert_active", "1 while a detector's alert is firing", labels=list(names))
     for a in s.alerts:
         active.add_metric(
-            label_values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, ALERT_LABELS),
+            label_values({"alert": a.alert, "cause": a.cause, "severity": a.severity, **a.labels}, names),
             1,
         )
     yield active

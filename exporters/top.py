@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from kvwatch.exporters.top_columns import COLUMNS, MIB, SORT_KEYS, Column, mib, num, pct
-from kvwatch.exporters.top_model import API_PATH, TopFrame, TopRow, build_frame, decode
-from kvwatch.exporters.top_tenants import TENANT_COLUMNS, TenantLine, TenantRates, matches, tenant_cells
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
+
+from kvwatch.exporters.top_columns import COLUMNS, MIB, SORT_KEYS, Column, mib, num, pct
+from kvwatch.exporters.top_model import API_PATH, TopFrame, TopRow, build_frame, decode
+from kvwatch.exporters.top_tenants import TENANT_COLUMNS, TenantLine, TenantRates, matches, tenant_cells
 
 if TYPE_CHECKING:
     from kvwatch.daemon.config import Config

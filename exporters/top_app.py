@@ -10,6 +10,12 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.timer import Timer
+from textual.widgets import DataTable, Footer, Input, Static
+
 from kvwatch.exporters.top import (
     COLUMNS,
     SORT_KEYS,
@@ -23,11 +29,6 @@ from kvwatch.exporters.top import (
 )
 from kvwatch.exporters.top_model import TopFrame
 from kvwatch.exporters.top_tenants import TENANT_COLUMNS, tenant_cells
-from rich.text import Text
-from textual.app import App, ComposeResult
-from textual.binding import Binding, BindingType
-from textual.timer import Timer
-from textual.widgets import DataTable, Footer, Input, Static
 
 INTERVALS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwatch.exporters.top_model import TopFrame, TopTenant
 from rich.text import Text
+
+from kvwatch.exporters.top_model import TopFrame, TopTenant
 
 Key = tuple[int, str, str]  # pid, tenant, medium
 

@@ -10,6 +10,8 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
+from pydantic import BaseModel, Field, field_validator, model_validator
+
 from kvwatch.daemon.config.base import SECTION, NonNegFloat, PositiveFloat
 from kvwatch.daemon.config.detectors import (
     DetectorCommon,
@@ -24,7 +26,6 @@ from kvwatch.daemon.config.detectors import (
     TenantThrashConfig,
     TransferCollapseConfig,
 )
-from pydantic import BaseModel, Field, field_validator, model_validator
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvwatch/kvwatch.toml")
 ENV_PREFIX = "KVWATCH_"

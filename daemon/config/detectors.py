@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from kvwatch.daemon.config.base import SECTION, NonNegFloat, PositiveFloat
 from pydantic import BaseModel, Field
+
+from kvwatch.daemon.config.base import SECTION, NonNegFloat, PositiveFloat
 
 
 class _Section(BaseModel):

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvwatch.daemon.config import DEFAULT_CONFIG_PATH, ENV_PREFIX, UNECHOED_KEYS, Config
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
+
+from kvwatch.daemon.config import DEFAULT_CONFIG_PATH, ENV_PREFIX, UNECHOED_KEYS, Config
 
 MAX_FILE_BYTES = 1 << 20  # a configuration file is read up to this (the example is 12 KiB)
 _USERINFO = re.compile(r"[^\s/@'\"]+@")  # user:password@ in an address

@@ -62,11 +62,36 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVEvictionBurst"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="KV evictions ≥ 5 × baseline while prefix hits fall ≥ 30 points",
+        severities=("warning",),
+        causes=("thrash", "pressure", "unexpected"),
+        labels=("medium",),
+        summary=(
+            "KV cache blocks evicted in a burst ({{ $labels.cause }}): {{ $labels.engine }} pid {{ "
+            "$labels.pid }} on {{ $labels.instance }}"
+        ),
+        description=(
+            "{{ $labels.engine }} {{ $labels.role }} pid {{ $labels.pid }} (pod {{ $labels.pod }}) "
+            "is evicting KV blocks from {{ $labels.medium }} far above its baseline; cause {{ "
+            "$labels.cause }}. Blocks removed now: {{ with printf "
+            "\"sum(rate(kvwatch_kv_blocks_removed_total{instance='%s',pid='%s',medium='%s'}[2m]))\" "
+            "$labels.instance $labels.pid $labels.medium | query }}{{ . | first | value | humanize "
+            "}}/s{{ else }}unknown{{ end }}; requests preempted: {{ with printf "
+            "\"sum(rate(kvwatch_engine_preemptions_total{instance='%s',pid='%s'}[2m]))\" "
+            "$labels.instance $labels.pid | query }}{{ . | first | value | humanize }}/s{{ else "
+            "}}unknown{{ end }}. Hot prefixes are being recomputed: expect TTFT to rise."
+        ),
+    ),
+)
 STREAM_PREFIX = sn.KV_REMOVED
 MEDIUM_ORDER = {"GPU": 0, "CPU": 1}  # the engine's own pool first, then its first offload tier
 

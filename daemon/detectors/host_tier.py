@@ -15,10 +15,32 @@ from typing import ClassVar
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import HostTierEvictionConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
 from kvwatch.daemon.model.windows import NodeView, TierWindow
 
 ALERT = "KVHostTierEvictionUnderPressure"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="reclaim evicts a KV tier and refaults, stalls or PSI rise",
+        severities=("warning",),
+        causes=("refault", "reclaim_stall", "psi", "reclaim"),
+        labels=("tier",),
+        summary=(
+            "KV tier {{ $labels.tier }} squeezed out of the page cache by memory pressure: {{ "
+            "$labels.engine }} pid {{ $labels.pid }} on {{ $labels.instance }}"
+        ),
+        description=(
+            "The kernel is reclaiming the page cache of KV-tier {{ $labels.tier }} of {{ "
+            "$labels.engine }} pid {{ $labels.pid }} (pod {{ $labels.pod }}) while the engine still "
+            "reads it back (refaults / reclaim stalls); cause {{ $labels.cause }}. Evicted by "
+            "reclaim now: {{ with printf \"sum(rate(kvwatch_pagecache_evicted_bytes_total{instance='%s"
+            "',tier='%s',cause='reclaim'}[2m]))\" $labels.instance $labels.tier | query }}{{ . | "
+            "first | value | humanize1024 }}B/s{{ else }}unknown{{ end }}."
+        ),
+    ),
+)
 MIB = 1024 * 1024
 
 

@@ -16,11 +16,38 @@ from dataclasses import dataclass, field
 from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.base import Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.engines import AuditRow
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVEngineMetricDivergence"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="engine KV counter vs kvwatch's evidence > 10 % apart, 3 × 30 s",
+        severities=("info",),
+        causes=(),
+        labels=(),
+        summary=(
+            "{{ $labels.engine }} pid {{ $labels.pid }} reports KV numbers its own evidence "
+            "contradicts ({{ $labels.cause }}) on {{ $labels.instance }}"
+        ),
+        description=(
+            "kvwatch audits {{ $labels.engine }} pid {{ $labels.pid }} (pod {{ $labels.pod }}): for "
+            "{{ $labels.cause }} the engine's counter said {{ with printf "
+            "\"kvwatch_engine_metric_audit_value{instance='%s',pid='%s',pair='%s',source='engine'}\" "
+            "$labels.instance $labels.pid $labels.cause | query }}{{ . | first | value | humanize "
+            "}}{{ else }}unknown{{ end }} and kvwatch's own evidence {{ with printf "
+            "\"kvwatch_engine_metric_audit_value{instance='%s',pid='%s',pair='%s',source='kvwatch'}\" "
+            "$labels.instance $labels.pid $labels.cause | query }}{{ . | first | value | humanize "
+            "}}{{ else }}unknown{{ end }} over the last audit window, for several windows in a row. "
+            "Dashboards and autoscalers reading that engine counter are misled; the log line names "
+            "both sources."
+        ),
+        page_severity="",
+    ),
+)
 
 
 @dataclass(slots=True)

@@ -6,10 +6,27 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvwatch.daemon.config import OOMConfig
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import NodeView, OomEvent
 
 ALERT = "InferenceProcessOOMKilled"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="the OOM killer kills a watched process or its cgroup sibling",
+        severities=("critical",),
+        causes=("victim", "cgroup_sibling"),
+        labels=(),
+        summary="OOM killer took {{ $labels.engine }} pid {{ $labels.pid }} on {{ $labels.instance }}",
+        description=(
+            "The kernel OOM killer killed inference process {{ $labels.pid }} ({{ $labels.engine }} "
+            "{{ $labels.role }}, pod {{ $labels.pod }}; cause {{ $labels.cause }}). Its KV cache is "
+            "gone; requests on it failed."
+        ),
+        page_severity="critical",
+    ),
+)
 MIB = 1024 * 1024
 
 

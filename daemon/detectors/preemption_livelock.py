@@ -23,10 +23,35 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PreemptionLivelockConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVPreemptionLivelock"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="≥ 0.5 preemptions/s while tokens/s fall to ≤ 0.2 × the healthy rate",
+        severities=("warning",),
+        causes=("livelock",),
+        labels=(),
+        summary=(
+            "Preemption livelock: {{ $labels.engine }} pid {{ $labels.pid }} keeps preempting "
+            "requests while generating almost nothing on {{ $labels.instance }}"
+        ),
+        description=(
+            "{{ $labels.engine }} {{ $labels.role }} pid {{ $labels.pid }} (pod {{ $labels.pod }}) "
+            "keeps preempting requests while the tokens it generates per second collapsed. Requests "
+            "preempted now: {{ with printf \"sum(rate(kvwatch_engine_preemptions_total{instance='%s',p"
+            "id='%s'}[2m]))\" $labels.instance $labels.pid | query }}{{ . | first | value | humanize "
+            "}}/s{{ else }}unknown{{ end }}; tokens generated: {{ with printf "
+            "\"sum(rate(kvwatch_engine_generation_tokens_total{instance='%s',pid='%s'}[2m]))\" "
+            "$labels.instance $labels.pid | query }}{{ . | first | value | humanize }}/s{{ else "
+            "}}unknown{{ end }}. Preempted requests are recomputed and preempted again: throughput "
+            "heads for 0 tokens/s."
+        ),
+    ),
+)
 PREEMPTIONS, TOKENS = sn.ENGINE_PREEMPTIONS, sn.ENGINE_GENERATION_TOKENS
 
 

@@ -40,10 +40,35 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVPrefixCacheIneffective"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="≤ 2 % of ≥ 20,000 prompt tokens/min hit the prefix cache",
+        severities=("warning", "info"),
+        causes=("not_hit", "not_shared"),
+        labels=(),
+        summary=(
+            "Prefix cache not serving repeated prefixes: {{ $labels.engine }} pid {{ $labels.pid }} "
+            "on {{ $labels.instance }}"
+        ),
+        description=(
+            "{{ $labels.engine }} {{ $labels.role }} pid {{ $labels.pid }} (pod {{ $labels.pod }}) "
+            "stores the same KV blocks again while its prefix cache hits almost nothing. Prefix hits "
+            "now: {{ with printf \"sum(rate(kvwatch_engine_prefix_cache_hit_tokens_total{instance='%s'"
+            ",pid='%s',medium='GPU'}[5m])) / sum(rate(kvwatch_engine_prefix_cache_queried_tokens_tota"
+            "l{instance='%s',pid='%s',medium='GPU'}[5m]))\" $labels.instance $labels.pid "
+            "$labels.instance $labels.pid | query }}{{ . | first | value | humanizePercentage }}{{ "
+            "else }}unknown{{ end }} of queried tokens. Prefix caching off, a per-request cache salt "
+            "or LoRA id, or an engine bug: every repeated prefix is recomputed."
+        ),
+        page_on='cause="not_hit"',
+    ),
+)
 QUERIES, HITS = sn.ENGINE_PREFIX_QUERIES, sn.ENGINE_PREFIX_HITS
 STORED, REGRETTED, RESTORED = f"{sn.KV_STORED}GPU", f"{sn.KV_REGRETTED}GPU", f"{sn.KV_RESTORED}GPU"
 WINDOW_REGRETTED = f"{sn.KV_WINDOW_REGRETTED}GPU"

@@ -9,11 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import NodeView
 from kvwatch.probes.records import HookState
 
 ALERT = "KVWatchProbeDown"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="a probe the configuration asks for is not attached, or silent",
+        severities=("warning",),
+        causes=("missing", "failed", "shed", "silent"),
+        labels=("probe", "family"),
+        summary="kvwatch probe {{ $labels.probe }} is {{ $labels.cause }} on {{ $labels.instance }}",
+        description=(
+            "A probe the configuration asks for is not attached or has gone silent ({{ $labels.cause "
+            "}}): kvwatch is partly blind on {{ $labels.instance }}. `kvwatch doctor` names the "
+            "reason."
+        ),
+        group="kvwatch.agent",
+        process=False,
+    ),
+)
 ALWAYS_BUSY = frozenset({"page_free"})
 SILENT_AFTER_SECONDS = 60.0
 

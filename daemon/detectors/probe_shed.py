@@ -9,10 +9,34 @@ from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVWatchProbeShed"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="kvwatch detached uprobes costing a process > 1 % of its CPU",
+        severities=("warning",),
+        causes=(),
+        labels=(),
+        summary=(
+            "kvwatch shed its {{ $labels.cause }} uprobes on {{ $labels.engine }} pid {{ $labels.pid "
+            "}}: over its cost budget on {{ $labels.instance }}"
+        ),
+        description=(
+            "kvwatch's {{ $labels.cause }} uprobes cost {{ $labels.engine }} pid {{ $labels.pid }} "
+            "(pod {{ $labels.pod }}) {{ with printf \"kvwatch_uprobe_cost_ratio{instance='%s',pid='%s'"
+            '}" $labels.instance $labels.pid | query }}{{ . | first | value | humanizePercentage '
+            "}}{{ else }}more than the budget{{ end }} of its CPU, so kvwatch detached them; they "
+            "are attached again after a back-off. Until then that family's numbers for the process "
+            "stand still. Raise self_cost.budget to keep them, or leave kvwatch to protect the "
+            "workload."
+        ),
+        group="kvwatch.agent",
+    ),
+)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Every detector the loop runs, from one list: adding a detector is its module and a line here."""
+"""Every detector the loop runs, from one list: adding a detector is its module (the detector and
+its alerts' specs) and a line here and in ``ALERT_SPECS``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,19 @@ from collections.abc import Iterable
 from typing import ClassVar, Protocol
 
 from kvwatch.daemon.config import DetectorsConfig
+from kvwatch.daemon.detectors import (
+    eviction_burst,
+    host_tier,
+    metric_divergence,
+    oom,
+    preemption_livelock,
+    prefix_cache,
+    probe_down,
+    probe_shed,
+    reuse_collapse,
+    tenant_thrash,
+    transfer_collapse,
+)
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.detectors.host_tier import HostTierEviction
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
@@ -17,6 +31,7 @@ from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.detectors.reuse_collapse import ReuseCollapse
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
 from kvwatch.daemon.model.windows import NodeView
 
@@ -57,3 +72,26 @@ def alert_names(detectors: Iterable[Detector]) -> tuple[str, ...]:
 def lasting_alerts(detectors: Iterable[Detector]) -> frozenset[str]:
     """Alerts that stay when their subject (a process) is gone."""
     return frozenset(n for d in detectors if d.outlives_subject for n in (d.alerts or (d.name,)))
+
+
+# Every alert a detector raises, the engine's KV first and kvwatch's own last: the rules, the README's table and the
+# exported alert labels are generated from these (deploy/prometheus/generate.py).
+ALERT_SPECS: tuple[AlertSpec, ...] = (
+    *eviction_burst.SPECS,
+    *preemption_livelock.SPECS,
+    *prefix_cache.SPECS,
+    *tenant_thrash.SPECS,
+    *reuse_collapse.SPECS,
+    *host_tier.SPECS,
+    *transfer_collapse.SPECS,
+    *oom.SPECS,
+    *metric_divergence.SPECS,
+    *probe_down.SPECS,
+    *probe_shed.SPECS,
+)
+
+
+def alert_label_names(specs: Iterable[AlertSpec] = ALERT_SPECS) -> tuple[str, ...]:
+    """The labels alerts carry beyond alert, cause, severity and a process's: every spec's, once,
+    in order."""
+    return tuple(dict.fromkeys(label for s in specs for label in s.labels))

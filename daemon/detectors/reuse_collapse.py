@@ -27,11 +27,48 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVCacheReuseCollapse"
 GROWTH = "CUDAMemoryGrowth"
+SPEC = AlertSpec(
+    name=ALERT,
+    fires_when="CUDA segment allocations ≥ 10 × baseline while memory churns",
+    severities=("warning",),
+    causes=("oom_retry", "empty_cache", "uncached", "fragmentation", "unknown"),
+    labels=(),
+    summary=(
+        "CUDA caching allocator stopped reusing blocks ({{ $labels.cause }}): {{ $labels.engine "
+        "}} pid {{ $labels.pid }} on {{ $labels.instance }}"
+    ),
+    description=(
+        "{{ $labels.engine }} {{ $labels.role }} pid {{ $labels.pid }} (pod {{ $labels.pod }}) "
+        "is calling the CUDA allocator far more than its baseline; cause {{ $labels.cause }}. "
+        'Segment allocations now: {{ with printf "sum(rate(kvwatch_cuda_alloc_calls_total{instanc'
+        "e='%s',pid='%s',result='ok'}[2m]))\" $labels.instance $labels.pid | query }}{{ . | first "
+        "| value | humanize }}/s{{ else }}unknown{{ end }}. GPU memory can look flat while "
+        "latency climbs."
+    ),
+)
+GROWTH_SPEC = AlertSpec(
+    name=GROWTH,
+    fires_when="CUDA allocations ≥ 10 × baseline while held memory grows",
+    severities=("warning",),
+    causes=("leak",),
+    labels=(),
+    summary=(
+        "CUDA memory of {{ $labels.engine }} pid {{ $labels.pid }} grows without being freed on {{ $labels.instance }}"
+    ),
+    description=(
+        "Outstanding device memory of pid {{ $labels.pid }}: {{ with printf "
+        "\"sum(kvwatch_cuda_outstanding_bytes{instance='%s',pid='%s'})\" $labels.instance "
+        "$labels.pid | query }}{{ . | first | value | humanize1024 }}B{{ else }}unknown{{ end "
+        "}}, allocations outpacing frees (a leak, not cache churn)."
+    ),
+)
+SPECS = (SPEC, GROWTH_SPEC)
 MIB = 1024 * 1024
 
 

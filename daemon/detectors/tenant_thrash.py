@@ -40,11 +40,44 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TenantThrashConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVTenantThrash"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when=(
+            "a tenant's evicted-and-recomputed blocks ≥ 5 × its baseline while another tenant stores "
+            "≥ 50 % of the pool (names victim and aggressor)"
+        ),
+        severities=("warning",),
+        causes=("noisy_neighbour",),
+        labels=("tenant", "aggressor"),
+        summary=(
+            "Noisy neighbour: tenant {{ $labels.aggressor }} is evicting tenant {{ $labels.tenant "
+            "}}'s KV cache on {{ $labels.engine }} pid {{ $labels.pid }} on {{ $labels.instance }}"
+        ),
+        description=(
+            "{{ $labels.engine }} {{ $labels.role }} pid {{ $labels.pid }} (pod {{ $labels.pod }}): "
+            "tenant {{ $labels.tenant }}'s KV blocks are evicted and recomputed far above its own "
+            "baseline while tenant {{ $labels.aggressor }} fills the pool. {{ $labels.tenant }} "
+            "recomputes {{ with printf \"sum(rate(kvwatch_kv_tenant_blocks_regretted_total{instance='%"
+            "s',pid='%s',medium='GPU',tenant='%s'}[2m]))\" $labels.instance $labels.pid "
+            "$labels.tenant | query }}{{ . | first | value | humanize }}{{ else }}unknown{{ end }} "
+            "blocks/s; {{ $labels.aggressor }} stores {{ with printf "
+            "\"sum(rate(kvwatch_kv_tenant_blocks_stored_total{instance='%s',pid='%s',medium='GPU',tena"
+            "nt='%s'}[2m])) / sum(rate(kvwatch_kv_tenant_blocks_stored_total{instance='%s',pid='%s',m"
+            "edium='GPU'}[2m]))\" $labels.instance $labels.pid $labels.aggressor $labels.instance "
+            "$labels.pid | query }}{{ . | first | value | humanizePercentage }}{{ else }}unknown{{ "
+            "end }} of the pool's blocks. The victim's time to first token rises with no error "
+            "anywhere: isolate the tenants (separate pools or replicas, per-tenant rate limits) or "
+            "give the pool more blocks."
+        ),
+    ),
+)
 NEVER = frozenset({"unknown"})  # neither victim nor aggressor
 
 

@@ -20,10 +20,32 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TransferCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
+from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVTransferBandwidthCollapse"
+SPECS = (
+    AlertSpec(
+        name=ALERT,
+        fires_when="NIXL bandwidth < 0.3 × baseline while demand holds",
+        severities=("warning",),
+        causes=("bandwidth",),
+        labels=(),
+        summary=(
+            "KV transfer bandwidth collapsed ({{ $labels.cause }}): {{ $labels.engine }} pid {{ "
+            "$labels.pid }} on {{ $labels.instance }}"
+        ),
+        description=(
+            "Effective KV transfer bandwidth of {{ $labels.engine }} {{ $labels.role }} pid {{ "
+            "$labels.pid }} fell far below its baseline; cause {{ $labels.cause }}. Now: {{ with "
+            "printf \"sum(kvwatch_transfer_effective_bandwidth_bytes{instance='%s',pid='%s'})\" "
+            "$labels.instance $labels.pid | query }}{{ . | first | value | humanize1024 }}B/s{{ else "
+            "}}unknown{{ end }}. Disaggregated prefill/decode: time-to-first-token grows with no "
+            "error anywhere."
+        ),
+    ),
+)
 MB = 1e6
 
 

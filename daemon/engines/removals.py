@@ -241,6 +241,7 @@ class RemovalMemory:
         """The open entries become the newest segment; segments merged; the oldest forgotten
         past the capacity; the filter kept up."""
         import numpy as np  # noqa: PLC0415
+
         from kvwatch.daemon.engines import removal_segments as rs  # noqa: PLC0415 - numpy on first seal
 
         opened, otags = self._open, self._open_tags

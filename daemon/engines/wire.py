@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.engines.block_keys import (
     ARRAY_HEADS,
     MAP_HEADS,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+
 from kvwatch.daemon.engines.block_keys import NIL
 
 MAX_EVENT_HASHES = 1 << 17

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+
 from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.tracker import Tracked

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 import structlog
+
 from kvwatch.daemon.config import KVTiersConfig
 from kvwatch.daemon.discovery import DiscoveredProcess
 from kvwatch.daemon.host.procfs import ProcError, ProcessIdentity, ProcFS

@@ -21,11 +21,12 @@ import threading
 from dataclasses import asdict
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
 from kvwatch.daemon.lab.engine_sim_http import Server
 from kvwatch.daemon.lab.engine_sim_pool import BLOCK, BlockPool, CpuTier, PoolStats, Scheduler, SimRequest, Tenancy
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.daemon.lab.wire_encode import Layout
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 LABELS = ("model_name", "engine")
 BLOCK_BYTES = 16 * 2 * 8 * 64 * 2 * 16  # 16 tokens x K,V x 8 heads x 64 dims x bf16 x 16 layers: 512 KiB

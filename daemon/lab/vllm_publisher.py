@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import zmq
+
 from kvwatch.daemon.engines.wire import END_SEQ, SEQ_BYTES
 from kvwatch.daemon.lab.wire_encode import Layout, encode_batch
 

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.engines.wire import Hash
 
 

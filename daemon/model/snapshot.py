@@ -36,6 +36,7 @@ class AlertsView:
     recent: tuple[Alert, ...]  # onsets and clears, newest last
     sink_errors: int
     alertmanager: Mapping[str, int] | None  # sent / failed / dropped, when the direct sink is on
+    labels: tuple[str, ...] = ()  # what the alerts' specs declare beyond a process's labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,7 @@ class Snapshot:
     tiers: tuple[TierView, ...] = ()
     alerts: tuple[Alert, ...] = ()
     alerts_fired: Mapping[str, int] = field(default_factory=dict)
+    alert_labels: tuple[str, ...] = ()  # the labels the alerts' specs declare beyond a process's
     oom_kills: Mapping[tuple[str, str, str, str], int] = field(default_factory=dict)
     probes: tuple[ProbeView, ...] = ()
     lost: Mapping[str, int] = field(default_factory=dict)

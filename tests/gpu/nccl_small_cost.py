@@ -43,6 +43,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from bcc import BPF
+
     from kvwatch.probes.libs import read_symbols
     from kvwatch.probes.transfer import TransferProbes
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwatch.daemon.lab.engine_sim import BLOCK_BYTES
-
 from tests.support.daemon import DaemonProcess, daemon, wait_until
 from tests.support.engine_sim import alert, engine, engines_only, tapped
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.lab.wire_encode import cleared, removed, stored
 
+from kvwatch.daemon.lab.wire_encode import cleared, removed, stored
 from tests.support.daemon import DaemonProcess
 from tests.support.engine_sim import engines_only
 from tests.support.kv_scripts import REAL_BLOCK_BYTES

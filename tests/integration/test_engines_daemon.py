@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 
+from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 from tests.support.daemon import DaemonProcess, daemon, free_port, wait_until
 from tests.support.engine_sim import (
     CONFIG,

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.lab import wire_encode as we
 
+from kvwatch.daemon.lab import wire_encode as we
 from tests.support.engine_sim import engines_only
 from tests.support.vllm_replay import load_run, onsets, replaying, through_the_window
 from tests.tools.vllm_groups_fixture import uncompact

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from kvwatch.daemon.engines.wire import parse_frames
 
+from kvwatch.daemon.engines.wire import parse_frames
 from tests.support.daemon import DaemonProcess, daemon, wait_until
 from tests.support.engine_sim import engine, engines_only, quiesce, tapped
 from tests.support.tenant_reference import FIELDS, TenantReference

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import pytest
+
 from kvwatch.exporters.top import DaemonSource, SourceError
 from kvwatch.exporters.top_model import API_PATH, build_frame, encode
-
 from tests.support.snapshots import snap
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.stublib import build
 
 

@@ -10,7 +10,6 @@ from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.wiring import memory_options
 from kvwatch.probes.memory import HOOKS, MemoryProbes
 from kvwatch.probes.tracefs import tracefs_root
-
 from tests.support.kernel import Child
 
 N_PAGES = 2311

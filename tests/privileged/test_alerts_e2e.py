@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvwatch.daemon.lab.workloads import workload_rule
 
+from kvwatch.daemon.lab.workloads import workload_rule
 from tests.support.daemon import daemon, free_port, wait_attached, wait_until
 from tests.support.kernel import Child
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
+
 from kvwatch.probes.bpf import PERF_EVENT, UPROBE_MULTI, Program, percpu_array_sums
 from kvwatch.probes.canary import CANARY_SOURCE
 from kvwatch.probes.libs import SymbolCache

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwatch.daemon.lab.workloads import workload_rule
-
 from tests.support.daemon import DaemonProcess, daemon, wait_attached, wait_until
 from tests.support.kernel import Child
 

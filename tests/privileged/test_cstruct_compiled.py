@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+
 from kvwatch.probes import memory
 from kvwatch.probes.bpf import Program, sizeof_flags
 from kvwatch.probes.cuda import CudaProbes

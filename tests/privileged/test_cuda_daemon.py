@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.lab.workloads import workload_rule
 
+from kvwatch.daemon.lab.workloads import workload_rule
 from tests.support.daemon import DaemonProcess, daemon, wait_attached, wait_until
 from tests.support.kernel import Child
 

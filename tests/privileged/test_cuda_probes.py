@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.stublib import build
 from kvwatch.probes.cuda import (
     CUDA_APIS,
@@ -22,7 +23,6 @@ from kvwatch.probes.cuda import (
     ProcessGoneDuringAttach,
 )
 from kvwatch.probes.records import HookState
-
 from tests.support.kernel import Child
 
 N = 23

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, drop_file_cache, make_files, resident_total, workload_rule
 from kvwatch.probes.tracefs import bcc_probe_events_of
-
 from tests.support.daemon import KVWATCH, DaemonProcess, daemon, wait_until, watched
 from tests.support.kernel import FOREIGN_PAGE_SLACK, Child, PageFreeTruth
 

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import workload_rule
 from kvwatch.probes.cuda import CudaProbes
 from kvwatch.probes.libs import LibraryError
 from kvwatch.probes.tracefs import bcc_probe_events_of
 from kvwatch.probes.uprobes import ProcessGoneDuringAttach
-
 from tests.support.daemon import DaemonProcess, daemon, free_port, wait_attached, wait_until, watched
 from tests.support.http import recording_server
 from tests.support.kernel import FOREIGN_PAGE_SLACK, Child, PageFreeTruth

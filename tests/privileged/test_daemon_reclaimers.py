@@ -9,7 +9,6 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files
-
 from tests.support.daemon import DaemonProcess, daemon, wait_until
 from tests.support.kernel import Child, resident_at_rest
 

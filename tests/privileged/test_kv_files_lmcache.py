@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, resident_total
-
 from tests.support.daemon import DaemonProcess, daemon, wait_until
 from tests.support.kernel import Child
 from tests.support.vllm_replay import Pages, serve

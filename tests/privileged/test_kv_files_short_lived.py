@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kvwatch.daemon.lab.workloads import MIB, PAGE, read_files, resident_pages
 
+from kvwatch.daemon.lab.workloads import MIB, PAGE, read_files, resident_pages
 from tests.support.daemon import DaemonProcess, daemon, wait_until
 
 FILES = 23  # a prime

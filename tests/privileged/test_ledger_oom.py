@@ -9,7 +9,6 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB
-
 from tests.support.daemon import daemon, wait_until, watched
 from tests.support.engine_sim import engine, quiesce, tapped
 

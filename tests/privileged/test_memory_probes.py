@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files, resident_total
 from kvwatch.probes.memory import HOOKS, MemoryProbeOptions, MemoryProbes, kernel_dev
 from kvwatch.probes.records import HookState, MemorySample, OomKill, ProcessExited, ProcessForked
 from kvwatch.probes.tracefs import tracefs_root
-
 from tests.support.daemon import wait_until
 from tests.support.kernel import FOREIGN_PAGE_SLACK, Child, PageFreeTruth, assert_closes
 

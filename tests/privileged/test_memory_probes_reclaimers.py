@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.memcg import MemoryCgroup
 from kvwatch.daemon.lab.workloads import MIB, PAGE, drop_file_cache, make_files
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes, kernel_dev
 from kvwatch.probes.records import HookState, MemorySample, ReclaimerKey, TierCounters
-
 from tests.support.daemon import wait_until
 from tests.support.kernel import Child, resident_at_rest
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.lab.netlab import pod_netns
-
 from tests.support.daemon import daemon, wait_until
 from tests.support.engine_sim import CONFIG, kv_config, quiesce
 

@@ -13,9 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.workloads import MIB, PAGE, make_files, resident_total, workload_rule
-
 from tests.support.daemon import KVWATCH, daemon, free_port, wait_attached
 from tests.support.kernel import Child, wait_uprobes
 from tests.support.trace_format import problems

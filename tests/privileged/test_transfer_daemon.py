@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvwatch.daemon.lab.netlab import Link, veth_pair
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.workloads import workload_rule
-
 from tests.support.daemon import DaemonProcess, daemon, wait_attached, wait_until
 
 SIZE = 2 << 20

@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.lab.nixl_peer import NixlPeer
 from kvwatch.daemon.lab.stublib import build_transfer
 from kvwatch.probes.libs import read_symbols
 from kvwatch.probes.records import BUCKET_BOUNDS, HookState
 from kvwatch.probes.transfer import TRANSFER_APIS, TransferProbeOptions, TransferProbes
-
 from tests.support.kernel import Child
 
 N = 23

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from kvwatch.exporters.top_model import API_PATH
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwatch.exporters.top_model import API_PATH
 from tests.support.kernel import assert_closes
 
 KVWATCH = [sys.executable, "-m", "kvwatch.daemon"]

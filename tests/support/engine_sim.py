@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
-
 from tests.support.daemon import DaemonProcess, free_port, wait_until
 
 

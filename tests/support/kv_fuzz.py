@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 from hypothesis import strategies as st
+
 from kvwatch.daemon.lab import wire_encode as we
 
 MAP_LAYOUTS = (we.Layout.V0_26, we.Layout.V0_33)

@@ -20,7 +20,6 @@ from typing import Any
 
 from kvwatch.daemon.lab.vllm_publisher import WirePublisher
 from kvwatch.daemon.lab.wire_encode import Layout
-
 from tests.support.daemon import DaemonProcess, daemon, free_port, wait_until
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import TenantNamer

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.config import EnginesConfig
-
 from tests.support.tenant_reference import TenantReference
 from tests.tools.vllm_run_fixtures import keep_page, runs
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from kvwatch.daemon.engines.block_keys import BlockKeys, ExtraKeys, Unreadable, block_keys
 
 

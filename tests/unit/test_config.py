@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.cli import build_parser, config_from_args, main
 from kvwatch.daemon.config import parse_listen
 from kvwatch.daemon.config.load import ConfigError, load_config

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvwatch.probes import cuda, memory, transfer
 from kvwatch.probes.bpf import PROBES_DIR, program_text, sizeof_flags
 from kvwatch.probes.cstruct import StructLayoutError, read_struct, read_structs

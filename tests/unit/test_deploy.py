@@ -19,6 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from kvwatch.daemon.config.load import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,3 +156,17 @@ def test_grafana_dashboard_covers_every_metric_family(monkeypatch: pytest.Monkey
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.render() == (DEPLOY / "grafana" / "kvwatch.json").read_text()  # regenerated, not edited by hand
+
+
+def test_alert_rules_and_readme_table_are_generated_from_the_specs() -> None:
+    """deploy/prometheus/generate.py's outputs are what is committed: the rules file, the chart's
+    copy, the manifest's PrometheusRule and the README's table (edit the specs, regenerate)."""
+    spec = importlib.util.spec_from_file_location("generate_rules", DEPLOY / "prometheus" / "generate.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    stale = [str(p.relative_to(REPO)) for p, text in gen.outputs().items() if p.read_text() != text]
+    assert stale == [], "run deploy/prometheus/generate.py"
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "kvwatch-rules.yaml").read_text())
+    names = [r["alert"] for g in rules["groups"] for r in g["rules"]]
+    assert names == [s.name for s in gen.specs()] and len(set(names)) == len(names)

@@ -6,7 +6,6 @@ from kvwatch.daemon.config import DiscoveryConfig, EngineRule
 from kvwatch.daemon.discovery import Discovery, disagg_role
 from kvwatch.daemon.host.cgroups import parse_cgroup
 from kvwatch.daemon.host.procfs import ProcessGone, ProcFS
-
 from tests.support.procfs import FakeProc, make_proc
 
 POD = (

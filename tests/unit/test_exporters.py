@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.daemon.config import DetectorsConfig
-from kvwatch.daemon.detectors.registry import alert_names, build_detectors
+from kvwatch.daemon.detectors.registry import alert_label_names, alert_names, build_detectors
 from kvwatch.daemon.families.cuda import API_CLASSES as CUDA_API_CLASSES
 from kvwatch.daemon.model.engines import (
     AuditRow,
@@ -355,6 +355,7 @@ def fixture_snapshot(wall: float = 1000.0) -> Snapshot:
                 summary="s",
             ),
         ),
+        alert_labels=alert_label_names(),
         alerts_fired={  # the alert book's: every alert the detectors raise, from zero
             **dict.fromkeys(alert_names(build_detectors(DetectorsConfig(), 0.0)), 0),
             "KVHostTierEvictionUnderPressure": 1,

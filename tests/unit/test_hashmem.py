@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvwatch.daemon.engines import hashmem_sealed
 from kvwatch.daemon.engines.hashmem import HashMemory
 

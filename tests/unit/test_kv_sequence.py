@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.engines.kv_sequence import Missing, StreamSequence
 
 FUZZ = settings(max_examples=300, deadline=None)

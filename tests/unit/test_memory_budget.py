@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from pydantic import ValidationError
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_STREAM_GROUPS
@@ -31,7 +33,6 @@ from kvwatch.daemon.engines.memory_budget import (
 )
 from kvwatch.daemon.engines.stream_counts import MAX_MEDIA, StreamCounts
 from kvwatch.daemon.lab import wire_encode as we
-from pydantic import ValidationError
 
 S, R = 4096, 4096  # max_tracked_blocks, regret_memory_blocks
 GROUPS = 17  # 16 groups a medium, and the 17th and later counted together

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.engines.exposition import DeadlineExceeded, PageError, parse_exposition
 from kvwatch.daemon.engines.taps import sample_series
 

@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.config import DiscoveryConfig
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.families.kv_files import specs_from_process
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS, parse_cgroup2_mount
 from kvwatch.daemon.host.psi import PressureReader
-
 from tests.support.procfs import FakeProc, make_proc
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.families.reclaimers import (
     UNKNOWN,
     CgroupPaths,

@@ -10,6 +10,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines import removals
 from kvwatch.daemon.engines.blocks import MediumBlocks

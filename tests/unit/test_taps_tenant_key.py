@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from structlog.testing import capture_logs
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
-from structlog.testing import capture_logs
 
 
 class _NoScraper:

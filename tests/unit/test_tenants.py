@@ -15,13 +15,13 @@ from typing import Any
 
 import msgspec
 import pytest
+from pydantic import ValidationError
+
 from kvwatch.daemon.config import EnginesConfig, TenantRule
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import MAX_TENANTS, TenantBook, TenantFold, TenantNamer, load_key
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.engine_sim_pool import BlockPool, CpuTier, Scheduler
-from pydantic import ValidationError
-
 from tests.support.tenant_reference import FIELDS, TenantReference
 
 KEY = b"k" * 32

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvwatch.daemon.engines.tenants import KEY_BYTES, load_key
 
 

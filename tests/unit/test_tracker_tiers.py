@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.config import DiscoveryConfig, KVTiersConfig
 from kvwatch.daemon.discovery import Discovery, Labels
 from kvwatch.daemon.families.kv_files import KVTierRegistry, hicache_dirs, lmcache_dirs, specs_from_process
@@ -17,7 +18,6 @@ from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.tracker import EXIT_GRACE_SECONDS, RECENT_SECONDS, ProcessTracker
 from kvwatch.probes.memory import decode_event
 from kvwatch.probes.records import OomKill, ProcessExec, ProcessForked
-
 from tests.support.procfs import FakeProc, make_proc, write_proc
 
 

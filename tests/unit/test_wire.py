@@ -19,9 +19,9 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.engines import wire as w
 from kvwatch.daemon.lab import wire_encode as we
-
 from tests.support.kv_scripts import CAPTURES, FIXTURES, LAYOUT, frames, load, unjson
 
 

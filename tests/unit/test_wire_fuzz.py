@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.lab import wire_encode as we
-
 from tests.support.kv_fuzz import Slot, streams
 
 BATCH_KINDS = frozenset({"payload", "nesting", "timestamp", "block_size", "size"})  # the whole batch dropped
