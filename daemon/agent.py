@@ -108,7 +108,7 @@ class Agent:
         self.losses = LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds)
         self.audit = MetricAudit(audit_settings(config.detectors.engine_metric_divergence))
         self.self_cost = SelfCost(config.self_cost)
-        self.canary = canary  # times a probed call at start (probes/selfcost.py)
+        self.canary = canary  # times a probed call at start (probes/canary.py)
         self.bpf_stats = bpf_stats
         self.allocator = allocator  # hands a burst's freed memory back (host/allocator.py)
         default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []

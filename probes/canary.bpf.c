@@ -1,6 +1,6 @@
 /* The self-cost canary: an entry and a return probe on one libc function in kvwatch's own
  * process, counting their runs. What a probed call costs the caller (the two traps and a
- * minimal program) is timed around them in Python (probes/selfcost.py); the counts prove
+ * minimal program) is timed around them in Python (probes/canary.py); the counts prove
  * every call was trapped. Hit 0: entries, hit 1: returns. */
 #include "common.h"
 

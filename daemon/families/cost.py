@@ -2,7 +2,7 @@
 (docs/architecture.md, "What kvwatch costs, live").
 
 A probed call costs its caller two traps and two BPF programs. The traps are timed at start by
-a canary (``probes/selfcost.py``); the programs' own time comes from the kernel's BPF statistics
+a canary (``probes/canary.py``); the programs' own time comes from the kernel's BPF statistics
 when they are on (per program: run time over runs). So a family's per-call cost is the canary's
 plus, with statistics, the family's mean program time per call (an entry and a return run).
 Per process, each tick: the calls its probes trapped (the families' own counters) times that

@@ -41,7 +41,7 @@ class AlertsView:
 
 @dataclass(frozen=True, slots=True)
 class FamilyCost:
-    """What one uprobe family's probes cost one watched process (``daemon/selfcost.py``)."""
+    """What one uprobe family's probes cost one watched process (``daemon/families/cost.py``)."""
 
     family: str  # cuda / transfer
     cost_seconds: float  # estimated, cumulative: probed calls x the per-call cost

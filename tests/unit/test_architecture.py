@@ -15,6 +15,8 @@ import counted, those inside functions too.
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,4 +245,55 @@ def test_test_files_are_named_for_the_module_they_cover() -> None:
         for f in suite_files()
         if not any(f.stem[5:] == n or f.stem[5:].startswith(n + "_") for n in names)
     ]
+    assert bad == []
+
+
+# --- references to the tree ----------------------------------------------------------------------
+# A path the code or the docs name, under one of the tree's own folders (``engines/taps.py``,
+# ``docs/metrics.md``): where it is looked for. Names elsewhere (an engine's source, a header)
+# are not the tree's.
+OWN = (
+    "daemon",
+    "probes",
+    "exporters",
+    "engines",
+    "detectors",
+    "families",
+    "host",
+    "lab",
+    "model",
+    "config",
+    "doctor",
+    "docs",
+    "deploy",
+    "bench",
+    "tests",
+    "stubs",
+    "tools",
+    "support",
+    "fixtures",
+)
+BASES = ("", "daemon/", "tests/", "deploy/")
+
+
+def test_named_paths_exist() -> None:
+    """Docstrings, comments and docs that point at a file of the tree point at one that exists."""
+    ref = re.compile(r"(?<![\w/.-])((?:" + "|".join(OWN) + r")/(?:[\w-]+/)*[\w-]+\.(?:py|c|h|md|yaml|toml|sh))\b")
+    tracked = subprocess.run(
+        ["git", "ls-files", "daemon", "probes", "exporters", "docs", "README.md", "deploy"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    bad, seen = [], 0
+    for name in tracked:
+        path = REPO / name
+        if path.suffix not in (".py", ".md", ".c", ".h", ".sh", ".yaml") or path.is_symlink() or not path.is_file():
+            continue
+        for m in ref.finditer(path.read_text(errors="replace")):
+            seen += 1
+            if not any((REPO / base / m.group(1)).exists() for base in BASES):
+                bad.append(f"{name}: {m.group(1)}")
+    assert seen > 200, "the scan found (almost) no reference at all"
     assert bad == []

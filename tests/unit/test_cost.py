@@ -1,4 +1,4 @@
-"""The self-cost meter and its circuit breaker (daemon/selfcost.py) and KVWatchProbeShed, on
+"""The self-cost meter and its circuit breaker (daemon/families/cost.py) and KVWatchProbeShed, on
 synthetic ticks: a process's probed calls and CPU time, the per-call cost given."""
 
 from __future__ import annotations
