@@ -11,26 +11,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
-from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
+from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.detectors.registry import alert_label_names, alert_names, build_detectors, lasting_alerts
-from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engines.audit import Evidence, MetricAudit, audit_settings
+from kvwatch.daemon.detectors.registry import Detector
+from kvwatch.daemon.engines.audit import Evidence, MetricAudit
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.losses import account_losses, account_oom
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.families.cost import SelfCost, account_self_cost, calibrate_in_background
-from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker, cuda_family
+from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker
+from kvwatch.daemon.families.gpu import GpuMemory
 from kvwatch.daemon.families.memory import MemoryFamily
-from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker, link_bytes_per_second, transfer_family
+from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker
 from kvwatch.daemon.host.allocator import Allocator
-from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.host.psi import PressureReader
 from kvwatch.daemon.logs import ErrorBook
@@ -38,13 +36,11 @@ from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from kvwatch.daemon.publish import Parts, ProcessParts, build_snapshot, process_views
+from kvwatch.daemon.sources import Source
 from kvwatch.daemon.tracker import ProcessTracker, Tracked, process_labels
 from kvwatch.probes.bpf import release_compiler_memory
 from kvwatch.probes.canary import BpfStats, CanaryResult
-from kvwatch.probes.cuda import CudaProbes
-from kvwatch.probes.memory import MemoryProbes
 from kvwatch.probes.records import TransferDone
-from kvwatch.probes.transfer import TransferProbes
 
 log = structlog.get_logger("kvwatch.agent")
 
@@ -60,70 +56,53 @@ class _Subscriber:
     on_transfers: Callable[[list[TransferDone]], None] | None
 
 
+@dataclass(slots=True)
+class AgentParts:
+    """Everything the loop runs, built by ``wiring.assemble`` (the one place that builds them)."""
+
+    errors: ErrorBook
+    procfs: ProcFS
+    tracker: ProcessTracker
+    memory: MemoryFamily
+    gpu: GpuMemory
+    cuda: CudaFamily
+    transfer: TransferFamily
+    engines: EngineTaps | None
+    pressure: PressureReader
+    detectors: list[Detector]
+    losses: LossLedger
+    audit: MetricAudit
+    self_cost: SelfCost
+    alerts: AlertBook
+    link_bytes_per_second: float
+    canary: Callable[[], CanaryResult] | None = None  # times a probed call at start (probes/canary.py)
+    bpf_stats: BpfStats | None = None
+    allocator: Allocator | None = None  # hands a burst's freed memory back (host/allocator.py)
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
 class Agent:
-    def __init__(
-        self,
-        config: Config,
-        *,
-        memory: MemoryProbes | None,
-        cuda: CudaProbes | None = None,
-        transfer: TransferProbes | None = None,
-        engines: EngineTaps | None = None,
-        procfs: ProcFS,
-        nvml: Nvml | None = None,
-        sinks: Sequence[AlertSink] | None = None,
-        canary: Callable[[], CanaryResult] | None = None,
-        bpf_stats: BpfStats | None = None,
-        errors: ErrorBook | None = None,
-        allocator: Allocator | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, config: Config, parts: AgentParts) -> None:
         self.config = config
-        self.clock = clock
-        self.errors = errors if errors is not None else ErrorBook()
-        self.cuda_family = cuda_family(cuda, config, self.errors, clock)
-        self.transfer_family = transfer_family(transfer, config, self.errors, clock)
-        self.procfs = procfs
-        self.link_bytes_per_second = link_bytes_per_second(
-            config.transfers.link_bits_per_second, config.transfers.link_interface, procfs
-        )
-        self.nvml = nvml
-        self.wall = wall
-        nvml_pids = nvml.pids if nvml is not None else None
-        self.discovery = Discovery(config.discovery, self.procfs, nvml_pids, config.engines.endpoints)
-        self.tracker = ProcessTracker(
-            self.discovery,
-            self.procfs,
-            memory,
-            clock=clock,
-            max_processes=config.discovery.max_processes,
-            follow_children=config.discovery.follow_children,
-            hints_per_tick=config.discovery.exec_hints_per_tick,
-        )
-        self.memory_family = MemoryFamily(config, memory, self.tracker, procfs, self.errors, clock=clock)
-        self.pressure = PressureReader(procfs)
-        self.detectors = build_detectors(config.detectors, self.link_bytes_per_second)
-        self.engines = engines
-        self.losses = LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds)
-        self.audit = MetricAudit(audit_settings(config.detectors.engine_metric_divergence))
-        self.self_cost = SelfCost(config.self_cost)
-        self.canary = canary  # times a probed call at start (probes/canary.py)
-        self.bpf_stats = bpf_stats
-        self.allocator = allocator  # hands a burst's freed memory back (host/allocator.py)
-        default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
-        self.alerts = AlertBook(
-            default_sinks + list(sinks or []),
-            alert_names(self.detectors),
-            lasting_alerts(self.detectors),
-            alert_label_names(),
-        )
+        self.parts = parts
+        self.clock, self.wall, self.errors, self.procfs = parts.clock, parts.wall, parts.errors, parts.procfs
+        self.tracker = parts.tracker
+        self.discovery = parts.tracker.discovery
+        self.memory_family, self.gpu = parts.memory, parts.gpu
+        self.cuda_family, self.transfer_family, self.engines = parts.cuda, parts.transfer, parts.engines
+        self.pressure, self.detectors, self.alerts = parts.pressure, parts.detectors, parts.alerts
+        self.losses, self.audit, self.self_cost = parts.losses, parts.audit, parts.self_cost
+        self.link_bytes_per_second = parts.link_bytes_per_second
+        self.canary, self.bpf_stats, self.allocator = parts.canary, parts.bpf_stats, parts.allocator
+        # every source alike: started, sampled, asked what it lost and why it is not ready, closed
+        self.sources: tuple[Source, ...] = (self.memory_family, self.gpu, *self.families)
+        if self.engines is not None:
+            self.sources += (self.engines,)
         self._subscribers: list[_Subscriber] = []
         self._next_scan = 0.0
         self._tick = 0
         self._published = _Published(Snapshot.empty())
-        self._device_totals = nvml.device_memory_total() if nvml is not None else []
-        self.gpu_used: dict[int, int] = {}
         self._node_psi: float | None = None  # memory PSI of the node, read once a tick
         self._owners: dict[int, list[Tracked]] = {}  # KV tier -> its owner processes, once a tick
 
@@ -141,9 +120,9 @@ class Agent:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        self.memory_family.start()
-        for family in self.families:
-            family.start(self.errors)
+        probed = [s for s in self.sources if s is not self.engines]
+        for source in probed:
+            source.start()
         uprobes = any(f.probes is not None for f in self.families)
         if self.bpf_stats is not None and self.config.self_cost.bpf_stats and not self.bpf_stats.enable():
             self.errors.record("bpf_stats", "BPF statistics could not be turned on", None, reason=self.bpf_stats.error)
@@ -155,8 +134,9 @@ class Agent:
             )
         if self.memory_family.probes is not None or uprobes:
             release_compiler_memory()
-        if self.engines is not None:
-            self.engines.start()
+        for source in self.sources:
+            if source not in probed:
+                source.start()
         self.tick()
 
     @property
@@ -217,7 +197,7 @@ class Agent:
                 wait = min(remaining, 0.1) if any(f.active() for f in self.families) else remaining
                 self.memory_family.poll(wait, stop)
                 for family in self.families:
-                    family.consume(self.errors)
+                    family.consume()
                 if self.memory_family.has_urgent_events():
                     self.tick()
                 continue
@@ -230,14 +210,10 @@ class Agent:
         self.alerts.close()
         if self.bpf_stats is not None:
             self.bpf_stats.close()
-        if self.engines is not None:
-            self.engines.close()
-        for family in self.families:
-            family.close()
-        self.tracker.close()
-        self.memory_family.close()
-        if self.nvml is not None:
-            self.nvml.close()
+        for source in reversed(self.sources):  # the engine taps first, the kernel-memory probes last
+            if source is self.memory_family:
+                self.tracker.close()  # the watched processes leave the kernel's maps before its probes close
+            source.close()
 
     # --- one tick ------------------------------------------------------------------------
     def tick(self) -> Snapshot:
@@ -307,22 +283,9 @@ class Agent:
             self.engines.sync(self.tracker.tracked())
 
     def _ingest(self, now: float) -> None:
-        if self.nvml is not None:
-            try:
-                self.gpu_used = self.nvml.used_by_pid()
-            except Exception as err:
-                self.errors.record("nvml", "NVML query failed", err)
-        device_total = float(max(self._device_totals, default=0))
         tracked = self.tracker.tracked()
-        self.cuda_family.add_series(
-            tracked,
-            now,
-            lambda pid: {sn.GPU_DEVICE_TOTAL_BYTES: device_total, sn.GPU_USED_BYTES: float(self.gpu_used.get(pid, 0))},
-        )
-        self.transfer_family.add_series(tracked, now)
-        if self.engines is not None:
-            self.engines.add_series(tracked, now)
-        self.memory_family.ingest(now)
+        for source in self.sources:  # NVML before the CUDA family, whose series carry its numbers
+            source.sample(tracked, now)
 
     def _account_losses(self, now: float) -> None:
         account_losses(
@@ -375,7 +338,7 @@ class Agent:
 
     def _detect(self, now: float) -> list[Finding]:
         procs = {t.key: self._process_window(t, now) for t in self.tracker.tracked()}
-        sample = self.memory_family.sample
+        sample = self.memory_family.last_sample
         view = NodeView(
             now=now,
             processes=procs,
@@ -389,9 +352,10 @@ class Agent:
 
     # --- publishing -----------------------------------------------------------------------------
     def not_ready_reasons(self) -> tuple[str, ...]:
-        memory = self.memory_family.not_ready_reasons()
-        uprobes = tuple(r for r in (f.not_ready() for f in self.families) if r)
-        return memory + uprobes if self.memory_family.probes is None else uprobes + memory
+        memory = self.memory_family.not_ready()
+        rest = tuple(r for s in self.sources if s is not self.memory_family for r in s.not_ready())
+        # probes that did not load at all come first
+        return memory + rest if self.memory_family.probes is None else rest + memory
 
     def _build_snapshot(self, now: float, loop_seconds: float) -> Snapshot:
         tracked = self.tracker.tracked()
@@ -416,14 +380,12 @@ class Agent:
                 # folded by the taps' fold of the process, the one its KVTenantThrash series use
                 tenants=lambda k, ev: engines.tenants.view(k, ev, self.losses.tenant_rows(k)) if engines else None,
                 costs=lambda key, pid: self.self_cost.costs(key, shed(pid)),
-                gpu_used=self.gpu_used,
+                gpu_used=self.gpu.used,
             ),
         )
-        lost = {**self.memory_family.lost(), "exec_hints_dropped": self.tracker.stats.hints_dropped}
-        for f in self.families:
-            lost.update(f.lost())
-        if engines is not None:
-            lost.update(engines.lost())
+        lost = {"exec_hints_dropped": self.tracker.stats.hints_dropped}
+        for source in self.sources:
+            lost.update(source.lost())
         return build_snapshot(
             Parts(
                 wall=self.wall(),
@@ -435,7 +397,7 @@ class Agent:
                 tiers=self.memory_family.tier_views(self._owners),
                 alerts=self.alerts.view(),
                 oom_kills=dict(self.memory_family.oom_kills),
-                probes=tuple(self.memory_family.probe_views() + [v for f in self.families for v in f.probe_views()]),
+                probes=tuple(v for s in self.sources for v in s.probe_views()),
                 lost=lost,
                 errors=dict(self.errors.counts),
                 label_overflow=self.tracker.stats.label_overflow,

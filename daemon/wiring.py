@@ -9,25 +9,36 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import Any
 
 import structlog
 
-from kvwatch.daemon.agent import Agent
-from kvwatch.daemon.alerts import AlertSink
+from kvwatch.daemon.agent import Agent, AgentParts
+from kvwatch.daemon.alerts import AlertBook, AlertSink, LogSink
 from kvwatch.daemon.config import Config, parse_listen
+from kvwatch.daemon.detectors.registry import alert_label_names, alert_names, build_detectors, lasting_alerts
+from kvwatch.daemon.discovery import Discovery
+from kvwatch.daemon.engines.audit import MetricAudit, audit_settings
+from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.families.cost import SelfCost
+from kvwatch.daemon.families.cuda import cuda_family
+from kvwatch.daemon.families.gpu import GpuMemory
+from kvwatch.daemon.families.memory import MemoryFamily
+from kvwatch.daemon.families.transfer import link_bytes_per_second, transfer_family
 from kvwatch.daemon.host.allocator import Allocator
 from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.host.procfs import ProcFS
+from kvwatch.daemon.host.psi import PressureReader
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.tracker import ProcessTracker
 from kvwatch.daemon.version import kvwatch_version
 from kvwatch.exporters.http import MetricsServer
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.bpf import bcc_version
-from kvwatch.probes.canary import BpfStats, UprobeCanary
+from kvwatch.probes.canary import BpfStats, CanaryResult, UprobeCanary
 from kvwatch.probes.cuda import CudaProbeOptions, CudaProbes
 from kvwatch.probes.memory import MemoryProbeOptions, MemoryProbes
 from kvwatch.probes.transfer import TransferProbeOptions, TransferProbes
@@ -85,7 +96,7 @@ def build_agent(
         from kvwatch.exporters.alertmanager import AlertmanagerSink  # noqa: PLC0415 - only when configured
 
         all_sinks.append(AlertmanagerSink(config.alerts.alertmanager))
-    return Agent(
+    return assemble(
         config,
         memory=memory,
         cuda=cuda,
@@ -98,6 +109,72 @@ def build_agent(
         bpf_stats=BpfStats() if use_bpf else None,
         errors=errors,
         allocator=allocator,
+    )
+
+
+def assemble(
+    config: Config,
+    *,
+    memory: MemoryProbes | None,
+    cuda: CudaProbes | None = None,
+    transfer: TransferProbes | None = None,
+    engines: EngineTaps | None = None,
+    procfs: ProcFS,
+    nvml: Nvml | None = None,
+    sinks: Sequence[AlertSink] | None = None,
+    canary: Callable[[], CanaryResult] | None = None,
+    bpf_stats: BpfStats | None = None,
+    errors: ErrorBook | None = None,
+    allocator: Allocator | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+) -> Agent:
+    """An agent from its probes (any of them None: that source runs without), /proc and NVML:
+    every collaborator of the loop is built here. Tests hand it stand-ins the same way."""
+    errors = errors if errors is not None else ErrorBook()
+    discovery = Discovery(config.discovery, procfs, nvml.pids if nvml is not None else None, config.engines.endpoints)
+    tracker = ProcessTracker(
+        discovery,
+        procfs,
+        memory,
+        clock=clock,
+        max_processes=config.discovery.max_processes,
+        follow_children=config.discovery.follow_children,
+        hints_per_tick=config.discovery.exec_hints_per_tick,
+    )
+    gpu = GpuMemory(nvml, errors)
+    link = link_bytes_per_second(config.transfers.link_bits_per_second, config.transfers.link_interface, procfs)
+    detectors = build_detectors(config.detectors, link)
+    default_sinks: list[AlertSink] = [LogSink()] if config.alerts.log else []
+    return Agent(
+        config,
+        AgentParts(
+            errors=errors,
+            procfs=procfs,
+            tracker=tracker,
+            memory=MemoryFamily(config, memory, tracker, procfs, errors, clock=clock),
+            gpu=gpu,
+            cuda=cuda_family(cuda, config, errors, clock, more_readings=gpu.series),
+            transfer=transfer_family(transfer, config, errors, clock),
+            engines=engines,
+            pressure=PressureReader(procfs),
+            detectors=detectors,
+            losses=LossLedger(config.engines.kv_block_bytes, config.engines.loss_linger_seconds),
+            audit=MetricAudit(audit_settings(config.detectors.engine_metric_divergence)),
+            self_cost=SelfCost(config.self_cost),
+            alerts=AlertBook(
+                default_sinks + list(sinks or []),
+                alert_names(detectors),
+                lasting_alerts(detectors),
+                alert_label_names(),
+            ),
+            link_bytes_per_second=link,
+            canary=canary,
+            bpf_stats=bpf_stats,
+            allocator=allocator,
+            clock=clock,
+            wall=wall,
+        ),
     )
 
 

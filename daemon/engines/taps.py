@@ -36,6 +36,7 @@ from kvwatch.daemon.model.engines import (
     StreamStats,
     TargetState,
 )
+from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.tracker import Tracked
 
 log = structlog.get_logger("kvwatch.engine_taps")
@@ -284,7 +285,7 @@ class EngineTaps:
             cur = parent if parent is not None and parent.first_seen <= cur.first_seen else None
         return None
 
-    def add_series(self, tracked: Iterable[Tracked], now: float) -> None:
+    def sample(self, tracked: Iterable[Tracked], now: float) -> None:
         tracked = list(tracked)
         by_pid = {t.pid: t for t in tracked if t.exited_at is None}
         sleeping: dict[str, float] = {}
@@ -353,6 +354,14 @@ class EngineTaps:
             tiers=sample.tiers if sample is not None else (),
             latencies=sample.latencies if sample is not None else (),
         )
+
+    name = "engines"
+
+    def not_ready(self) -> tuple[str, ...]:
+        return ()  # an engine's stream or page that cannot be read is an error, not a probe missing
+
+    def probe_views(self) -> list[ProbeView]:
+        return []
 
     def lost(self) -> dict[str, int]:
         """Batches missed and not replayed; entries the streams' full block memories dropped

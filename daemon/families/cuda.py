@@ -152,10 +152,19 @@ class CudaTracker(FamilyTracker):
 CudaFamily = UprobeFamily[CudaProbes, CudaTracker]
 
 
-def cuda_family(probes: CudaProbes | None, config: Config, errors: ErrorBook, clock: Callable[[], float]) -> CudaFamily:
+def cuda_family(
+    probes: CudaProbes | None,
+    config: Config,
+    errors: ErrorBook,
+    clock: Callable[[], float],
+    more_readings: Callable[[int], dict[str, float]] | None = None,
+) -> CudaFamily:
+    """``more_readings``: NVML's numbers of the process, carried in the same series."""
     return UprobeFamily(
         "cuda",
         probes,
         lambda p: CudaTracker(p, errors, clock=clock, rescan_seconds=config.probes.cuda_rescan_seconds),
+        errors,
         enabled=config.probes.cuda,
+        more_readings=more_readings,
     )

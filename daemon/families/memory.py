@@ -10,7 +10,7 @@ thread, ``kvwatch-kv-files`` (``kv_inotify.py``), registers new KV files as they
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
@@ -81,7 +81,7 @@ class MemoryFamily:
         self.tier_series: dict[int, SeriesSet] = {}
         self.tier_first_seen: dict[int, float] = {}
         self.oom_kills: dict[OomKey, int] = {}
-        self.sample: MemorySample | None = None  # the last one: hits and losses of the hooks
+        self.last_sample: MemorySample | None = None  # the last one: hits and losses of the hooks
         self.malformed = 0  # ring-buffer records that did not decode
         self._pending_oom: list[OomEvent] = []
 
@@ -139,7 +139,13 @@ class MemoryFamily:
         """OOM kills are acted on at once, not at the next tick."""
         return self.probes is not None and any(isinstance(e, OomKill) for e in self.probes.pending())
 
-    def not_ready_reasons(self) -> tuple[str, ...]:
+    name = "memory"
+
+    def sample(self, tracked: Sequence[Tracked], now: float) -> None:
+        """The kernel's counters, read once: each watched process's totals, each KV tier's pages."""
+        self.ingest(now)
+
+    def not_ready(self) -> tuple[str, ...]:
         if self.probes is None and any(f for f in self.config.probes.memory):
             return ("kernel-memory probes not loaded",)
         return tuple(
@@ -215,7 +221,7 @@ class MemoryFamily:
     def tier_owners(self, tier: Tier) -> list[Tracked]:
         """Processes a tier belongs to: named by their environment or config, or seen
         (by the kernel) bringing the tier's pages into the page cache."""
-        readers = self.sample.tier_readers if self.sample else {}
+        readers = self.last_sample.tier_readers if self.last_sample else {}
         config_pids = {d.owner_pid for d in self.config.kv_tiers.dirs if d.owner_pid and str(d.path) == str(tier.path)}
         return [
             t
@@ -229,7 +235,7 @@ class MemoryFamily:
         if self.probes is None:
             return
         sample = self.probes.sample()
-        self.sample = sample
+        self.last_sample = sample
         for t in self.tracker.tracked():
             c = sample.processes.get(t.pid)
             if c is None:
@@ -310,7 +316,7 @@ class MemoryFamily:
 
     # --- what the snapshot shows (frozen data) ----------------------------------------------
     def probe_views(self) -> list[ProbeView]:
-        hits = self.sample.hits if self.sample else {}
+        hits = self.last_sample.hits if self.last_sample else {}
         return [
             ProbeView(s.name, s.family, s.target, s.state.value, s.required, hits.get(s.name, 0), s.reason)
             for s in self.statuses
@@ -318,7 +324,7 @@ class MemoryFamily:
 
     def lost(self) -> dict[str, int]:
         """Events the kernel side and the decoder dropped, by where."""
-        lost = dict(self.sample.lost) if self.sample else {}
+        lost = dict(self.last_sample.lost) if self.last_sample else {}
         lost["malformed_events"] = self.malformed
         if self.tiers is not None and self.tiers.stats.map_full:
             lost["kv_inodes_full"] = self.tiers.stats.map_full

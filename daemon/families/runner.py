@@ -35,9 +35,12 @@ class UprobeFamily(Generic[P, T]):
         name: str,
         probes: P | None,
         make_tracker: Callable[[P], T],
+        errors: ErrorBook,
         *,
         enabled: bool,
+        more_readings: Callable[[int], dict[str, float]] | None = None,
     ) -> None:
+        """``more_readings``: more of a process's readings its series carry (the CUDA family: NVML's)."""
         self.name = name
         self.probes = probes
         self.probe_apis = tuple(type(probes).apis) if probes is not None else ()
@@ -49,21 +52,21 @@ class UprobeFamily(Generic[P, T]):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._attacher: threading.Thread | None = None
-        self._errors: ErrorBook | None = None
+        self._errors = errors
+        self.more_readings = more_readings
         self.syncs = 0  # attacher passes done (tests wait on it)
 
-    def start(self, errors: ErrorBook) -> None:
+    def start(self) -> None:
         if self.probes is None:
             return
         try:
             self.probes.start()
         except ProbeError as err:
-            errors.record(f"probe_load_{self.name}", f"{self.name} probes did not load", err)
+            self._errors.record(f"probe_load_{self.name}", f"{self.name} probes did not load", err)
             self.failure = str(err)
             self.probes = None
             return
         self.tracker = self.make_tracker(self.probes)
-        self._errors = errors
         self._attacher = threading.Thread(target=self._run, name=f"kvwatch-attach-{self.name}", daemon=True)
         self._attacher.start()
 
@@ -77,21 +80,20 @@ class UprobeFamily(Generic[P, T]):
             try:
                 tracker.sync(wanted)
             except Exception as err:  # the attacher must outlive any one process
-                if self._errors is not None:
-                    self._errors.record(f"attach_loop_{self.name}", f"{self.name} attacher failed", err)
+                self._errors.record(f"attach_loop_{self.name}", f"{self.name} attacher failed", err)
             self.syncs += 1
 
     def active(self) -> bool:
         """Some process has this family's probes attached: its ring buffer can get events."""
         return self.tracker is not None and bool(self.tracker.attached)
 
-    def consume(self, errors: ErrorBook) -> None:
+    def consume(self) -> None:
         if self.probes is None:
             return
         try:
             self.probes.consume()
         except Exception as err:
-            errors.record(f"ring_poll_{self.name}", "ring buffer poll failed", err)
+            self._errors.record(f"ring_poll_{self.name}", "ring buffer poll failed", err)
 
     def tick(self, tracked: list[Tracked]) -> None:
         if self.tracker is None:
@@ -103,16 +105,14 @@ class UprobeFamily(Generic[P, T]):
             self.tracker.sync(tracked)
         self.tracker.ingest()
 
-    def add_series(
-        self, tracked: Iterable[Tracked], now: float, extra: Callable[[int], dict[str, float]] | None = None
-    ) -> None:
+    def sample(self, tracked: Iterable[Tracked], now: float) -> None:
         if self.tracker is None:
             return
         for t in tracked:
             values = self.tracker.series(t.pid)
             if values is not None:
-                if extra is not None:
-                    values.update(extra(t.pid))
+                if self.more_readings is not None:
+                    values.update(self.more_readings(t.pid))
                 calls = self.tracker.calls(t.pid)
                 if calls is not None:
                     values[f"{sn.UPROBE_CALLS}{self.name}"] = calls
@@ -160,10 +160,10 @@ class UprobeFamily(Generic[P, T]):
         """Whether the budget has the family detached from the process (None: no family)."""
         return self.tracker.is_shed(pid) if self.tracker is not None else None
 
-    def not_ready(self) -> str | None:
+    def not_ready(self) -> tuple[str, ...]:
         if self.enabled and self.probes is None:
-            return f"{self.name} probes not loaded ({self.failure or 'bcc unavailable'})"
-        return None
+            return (f"{self.name} probes not loaded ({self.failure or 'bcc unavailable'})",)
+        return ()
 
     def close(self) -> None:
         self._stop.set()

@@ -164,5 +164,6 @@ def transfer_family(
             rescan_seconds=config.probes.transfer_rescan_seconds,
             peer_grace_seconds=config.detectors.transfer_collapse.peer_grace_seconds,
         ),
+        errors,
         enabled=config.probes.transfer,
     )

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.config.load import load_config
 from kvwatch.daemon.host.procfs import ProcFS
-from kvwatch.daemon.wiring import memory_options
+from kvwatch.daemon.wiring import assemble, memory_options
 from kvwatch.probes.memory import HOOKS, MemoryProbes
 from kvwatch.probes.tracefs import tracefs_root
 from tests.support.kernel import Child
@@ -31,7 +30,7 @@ def fake_tracefs_without(tmp: Path, missing: str) -> Path:
 def test_missing_tracepoint_reported_and_rest_keeps_working(tmp_path: Path) -> None:
     config = load_config(environ={}, default_path=None, sets=['discovery.nvml="off"'])
     memory = MemoryProbes(memory_options(config), tracefs_root=fake_tracefs_without(tmp_path, "oom_victim"))
-    agent = Agent(config, memory=memory, procfs=ProcFS(proc=config.discovery.proc_root))
+    agent = assemble(config, memory=memory, procfs=ProcFS(proc=config.discovery.proc_root))
     agent.start()
     try:
         snap = agent.snapshot

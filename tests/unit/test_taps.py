@@ -328,7 +328,7 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
     taps = EngineTaps(EnginesConfig(), fs, ErrorBook(), hub=_Recorder(), scraper=scraper, clock=lambda: 1.0)  # type: ignore[arg-type]
     taps.sync(t.values())
     scraper.at = 1.0
-    taps.add_series(t.values(), 1.0)
+    taps.sample(t.values(), 1.0)
     assert t[500].series.gauge("engine_sleeping") == t[501].series.gauge("engine_sleeping") == 1.0
     assert t[501].series.gauge("engine_family_tapped") == 1.0
     assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_family_tapped") == 0.0

@@ -15,7 +15,6 @@ import msgspec
 import pytest
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.agent import Agent
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.taps import EngineTaps
@@ -26,6 +25,7 @@ from kvwatch.daemon.lab.engine_sim_pool import BlockPool, Scheduler
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.engines import MediumTotals, StreamSpec, StreamStats
 from kvwatch.daemon.model.snapshot import Snapshot
+from kvwatch.daemon.wiring import assemble
 from kvwatch.exporters.prom_tenants import tenant_families
 from tests.support.procfs import FakeProc, make_proc
 
@@ -107,7 +107,7 @@ class Node:
             scraper=_NoScrapes(),  # type: ignore[arg-type]
             clock=lambda: self.now,
         )
-        self.agent = Agent(
+        self.agent = assemble(
             self.config, memory=None, procfs=ProcFS(proc=root), engines=taps, clock=self.clock, wall=self.clock
         )
 
