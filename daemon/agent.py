@@ -13,10 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import structlog
 
 from kvwatch.daemon.alerts import AlertBook
+from kvwatch.daemon.bus import SnapshotBus
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.registry import Detector
 from kvwatch.daemon.engines.audit import Evidence, MetricAudit
@@ -45,15 +47,19 @@ from kvwatch.probes.records import TransferDone
 log = structlog.get_logger("kvwatch.agent")
 
 
+class Stage(NamedTuple):
+    """One stage of the tick: ``run(now)``; what it reads and what it leaves for the stages after
+    it (the detectors read what they all left, through the windows)."""
+
+    name: str
+    run: Callable[[float], None]
+    reads: str
+    writes: str
+
+
 @dataclass(slots=True)
 class _Published:
     snapshot: Snapshot
-
-
-@dataclass(slots=True)
-class _Subscriber:
-    on_tick: Callable[[Snapshot], None]
-    on_transfers: Callable[[list[TransferDone]], None] | None
 
 
 @dataclass(slots=True)
@@ -99,12 +105,48 @@ class Agent:
         self.sources: tuple[Source, ...] = (self.memory_family, self.gpu, *self.families)
         if self.engines is not None:
             self.sources += (self.engines,)
-        self._subscribers: list[_Subscriber] = []
+        self.bus = SnapshotBus(lambda: self.transfer_tracker, self.errors)
         self._next_scan = 0.0
         self._tick = 0
         self._published = _Published(Snapshot.empty())
         self._node_psi: float | None = None  # memory PSI of the node, read once a tick
         self._owners: dict[int, list[Tracked]] = {}  # KV tier -> its owner processes, once a tick
+        self.stages = self._declare_stages()
+
+    def _declare_stages(self) -> tuple[Stage, ...]:
+        """The tick before detection, in order: each stage reads what the ones before it left."""
+        return (
+            Stage("events", self._drain, "memory ring", "page series, OOM events"),
+            Stage("oom_losses", self._account_oom, "OOM events, engine streams", "loss ledger"),
+            Stage("hints", self._hints, "exec hints", "watched set"),
+            Stage("discovery", self._discover, "processes (procfs)", "watched set, KV tiers' owners"),
+            Stage("kv_tiers", self._refresh_tiers, "KV tier directories", "KV inodes"),
+            Stage("attach", self._attach, "watched set", "uprobe attachments (each family's thread)"),
+            Stage("engines", self._sync_engines, "watched set", "engine taps' plans"),
+            Stage("sample", self._ingest, "every source", "processes' and tiers' series"),
+            Stage("tier_owners", self._tier_owners, "KV tiers, watched set", "tier owners"),
+            Stage("losses", self._account_losses, "streams, tiers' page losses", "loss ledger, loss series"),
+            Stage("audit", self._audit, "engine series, ledger", "audit rows"),
+            Stage("self_cost", self._self_cost, "uprobe counters, BPF run time", "self-cost meter"),
+            Stage("trim", self._trim, "the allocator's clock", "freed heap returned"),
+        )
+
+    def _drain(self, _now: float) -> None:
+        self.memory_family.drain()
+
+    def _hints(self, _now: float) -> None:
+        self.tracker.process_hints()
+
+    def _refresh_tiers(self, _now: float) -> None:
+        self.memory_family.refresh_tiers()
+
+    def _attach(self, _now: float) -> None:
+        tracked = self.tracker.tracked()
+        for family in self.families:
+            try:
+                family.tick(tracked)
+            except Exception as err:  # one family's failure leaves the other attaching
+                self.errors.record(f"tick_{family.name}", f"tick step {family.name} failed", err)
 
     @property
     def families(self) -> tuple[CudaFamily | TransferFamily, ...]:
@@ -147,40 +189,11 @@ class Agent:
     def tick_count(self) -> int:
         return self._tick
 
-    # --- subscribers: called in the loop's thread after each published snapshot ----------------------
     def subscribe(
         self, on_tick: Callable[[Snapshot], None], on_transfers: Callable[[list[TransferDone]], None] | None = None
     ) -> Callable[[], None]:
-        """``on_tick`` after every snapshot; ``on_transfers`` with the KV transfers completed since
-        the last tick, one record each (this turns on per-transfer events in the kernel while
-        subscribed). Returns the unsubscribe."""
-        sub = _Subscriber(on_tick, on_transfers)
-        self._subscribers.append(sub)
-        tt = self.transfer_tracker
-        if on_transfers is not None and tt is not None:
-            tt.probes.set_emit_events(True)
-            tt.events.clear()
-
-        def unsubscribe() -> None:
-            if sub in self._subscribers:
-                self._subscribers.remove(sub)
-            if tt is not None and not any(s.on_transfers for s in self._subscribers):
-                tt.probes.set_emit_events(False)
-
-        return unsubscribe
-
-    def _notify(self, snap: Snapshot) -> None:
-        tt = self.transfer_tracker
-        done: list[TransferDone] = []
-        if tt is not None and any(s.on_transfers for s in self._subscribers):
-            done, tt.events = tt.events, []
-        for sub in list(self._subscribers):
-            try:
-                sub.on_tick(snap)
-                if sub.on_transfers is not None:
-                    sub.on_transfers(done)
-            except Exception as err:
-                self.errors.record("subscriber", "a snapshot subscriber failed", err)
+        """Hear of every published snapshot in the loop's thread (``daemon/bus.py``)."""
+        return self.bus.subscribe(on_tick, on_transfers)
 
     def run(self, stop: threading.Event) -> None:
         """Tick until ``stop`` is set; between ticks, drain ring buffers as events arrive.
@@ -221,26 +234,11 @@ class Agent:
         now = self.clock()
         self._tick += 1
         self._node_psi = self.pressure.node()  # read once: detectors and the snapshot see the same
-        for name, step in (
-            ("events", self.memory_family.drain),
-            ("oom_losses", self._account_oom),
-            ("hints", self.tracker.process_hints),
-            ("discovery", lambda: self._discover(now)),
-            ("kv_tiers", self.memory_family.refresh_tiers),
-            ("cuda", lambda: self.cuda_family.tick(self.tracker.tracked())),
-            ("transfer", lambda: self.transfer_family.tick(self.tracker.tracked())),
-            ("engines", self._sync_engines),
-            ("sample", lambda: self._ingest(now)),
-            ("tier_owners", self._tier_owners),
-            ("losses", lambda: self._account_losses(now)),
-            ("audit", lambda: self._audit(now)),
-            ("self_cost", lambda: self._self_cost(now)),
-            ("trim", lambda: self._trim(now)),
-        ):
+        for stage in self.stages:
             try:
-                step()
-            except Exception as err:  # one failing step must not stop the loop
-                self.errors.record(f"tick_{name}", f"tick step {name} failed", err)
+                stage.run(now)
+            except Exception as err:  # one failing stage must not stop the loop
+                self.errors.record(f"tick_{stage.name}", f"tick step {stage.name} failed", err)
         findings: list[Finding] = []
         try:
             findings = self._detect(now)
@@ -256,14 +254,14 @@ class Agent:
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
-        self._notify(snap)
+        self.bus.publish(snap)
         return snap
 
     def _trim(self, now: float) -> None:
         if self.allocator is not None:
             self.allocator.trim(now)
 
-    def _tier_owners(self) -> None:
+    def _tier_owners(self, _now: float) -> None:
         """Which processes each KV tier belongs to, once a tick for the ledger, the detectors and
         the snapshot."""
         self._owners = self.memory_family.owners()
@@ -278,7 +276,7 @@ class Agent:
         self.errors.add("discovery_errors", self.discovery.stats.errors)
         self.memory_family.sync_tiers(t.proc for t in self.tracker.tracked() if t.exited_at is None)
 
-    def _sync_engines(self) -> None:
+    def _sync_engines(self, _now: float) -> None:
         if self.engines is not None:
             self.engines.sync(self.tracker.tracked())
 
@@ -319,7 +317,7 @@ class Agent:
         memory = self.memory_family.probes.program if self.memory_family.probes is not None else None
         account_self_cost(self.self_cost, self.families, memory, self.tracker.tracked(), self.procfs, stats_on, now)
 
-    def _account_oom(self) -> None:
+    def _account_oom(self, _now: float) -> None:
         oom = self.memory_family.pending_oom_events()  # those since the detectors last took them
         if oom and self.engines is not None:
             account_oom(self.losses, self.engines, self.tracker.tracked(), oom)

@@ -86,7 +86,9 @@ CUDA_COPY_D2H_BYTES = _declare("cuda_copy_d2h_bytes", COUNTER, _CUDA, _COPY_READ
 GPU_DEVICE_TOTAL_BYTES = _declare(
     "gpu_device_total_bytes", GAUGE, "families.gpu", ("detectors.reuse_collapse",), "the largest GPU's memory (NVML)"
 )
-GPU_USED_BYTES = _declare("gpu_used_bytes", GAUGE, "families.gpu", ("detectors.reuse_collapse",), "GPU memory held (NVML)")
+GPU_USED_BYTES = _declare(
+    "gpu_used_bytes", GAUGE, "families.gpu", ("detectors.reuse_collapse",), "GPU memory held (NVML)"
+)
 
 # --- a uprobe family of the process (families.runner): "+ family" --------------------------------------------
 _RUNNER = "families.runner"
