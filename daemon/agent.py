@@ -254,7 +254,7 @@ class Agent:
             self.alerts.drop_subject(gone.key, self.wall())
         snap = self._build_snapshot(now, time.perf_counter() - t0)
         self._published = _Published(snap)
-        self.bus.publish(snap)
+        self.bus.deliver(snap)
         return snap
 
     def _trim(self, now: float) -> None:

@@ -46,7 +46,7 @@ class SnapshotBus:
 
         return unsubscribe
 
-    def publish(self, snap: Snapshot) -> None:
+    def deliver(self, snap: Snapshot) -> None:
         tt = self._transfers()
         done: list[TransferDone] = []
         if tt is not None and any(s.on_transfers for s in self._subscribers):

@@ -211,8 +211,8 @@ ENGINE_SLEEPING = _declare(
     (*_BURST, "detectors.prefix_cache", "detectors.reuse_collapse"),
     "1 while the engine sleeps (its KV pool discarded on purpose)",
 )
-ENGINE_FAMILY_TAPPED = _declare(
-    "engine_family_tapped", GAUGE, _TAPS, _BURST, "1: the process or an ancestor has engine taps"
+ENGINE_TREE_TAPPED = _declare(
+    "engine_tree_tapped", GAUGE, _TAPS, _BURST, "1: the process or an ancestor has engine taps"
 )
 FAMILY_COPY_D2H_BYTES = _declare(
     "family_copy_d2h_bytes", COUNTER, _TAPS, ("engines.audit",), "device-to-host copies of the engine's processes"

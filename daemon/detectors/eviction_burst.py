@@ -142,7 +142,7 @@ def sources(s: SeriesSet) -> list[Source]:
         out.append(Source("GPU", sn.ENGINE_EVICTED_TOKENS, "tokens", None, None, *_hit_series(names, "GPU")))
     if "CPU" not in media and sn.LMCACHE_EVICTED_KEYS in names:
         out.append(Source("CPU", sn.LMCACHE_EVICTED_KEYS, "keys", None, None, *_hit_series(names, "CPU")))
-    if not out and sn.CUDA_COPY_D2H_BYTES in names and not s.gauge(sn.ENGINE_FAMILY_TAPPED):
+    if not out and sn.CUDA_COPY_D2H_BYTES in names and not s.gauge(sn.ENGINE_TREE_TAPPED):
         # no engine data at all: the OS-side view — KV stored to host and loaded back, both
         # far above their baseline, is the store-then-reload churn of evicted hot blocks
         out.append(Source("CPU", sn.CUDA_COPY_D2H_BYTES, "bytes", None, None, None, None, sn.CUDA_COPY_H2D_BYTES))

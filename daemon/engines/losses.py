@@ -52,7 +52,7 @@ def account_oom(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]
     by_key = {t.key: t for t in tracked}
     for ev in oom:
         victim = by_key.get(ev.subject.key) if not ev.sibling_of else None  # a sibling held no KV
-        owner = taps.family_owner(victim, alive) if victim is not None else None
+        owner = taps.tapped_owner(victim, alive) if victim is not None else None
         if owner is not None:
             ledger.of(owner).oom(g for s in taps.streams_of(owner) for g in s.groups)
 

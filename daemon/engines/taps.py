@@ -42,7 +42,7 @@ from kvwatch.daemon.tracker import Tracked
 log = structlog.get_logger("kvwatch.engine_taps")
 
 REPLAN_SECONDS = 30.0
-MAX_FAMILY_DEPTH = 8
+MAX_TREE_DEPTH = 8
 
 
 def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dict[str, float]]:
@@ -271,11 +271,11 @@ class EngineTaps:
                 return st
         return None
 
-    def family_owner(self, t: Tracked, by_pid: Mapping[int, Tracked]) -> str | None:
+    def tapped_owner(self, t: Tracked, by_pid: Mapping[int, Tracked]) -> str | None:
         """The tapped process this one belongs to: itself, or its nearest watched ancestor with
         taps (a vLLM engine core and its workers descend from the API server)."""
         cur: Tracked | None = t
-        for _ in range(MAX_FAMILY_DEPTH):
+        for _ in range(MAX_TREE_DEPTH):
             if cur is None:
                 return None
             p = self._planned.get(cur.key)
@@ -293,11 +293,11 @@ class EngineTaps:
             sleeping.update(self._add_owner_series(t, now))
         copies: dict[str, list[float]] = {}  # owner -> d2h, h2d bytes, members probed, members shed
         for t in tracked:  # the engine's other processes learn what their server says of it
-            owner = self.family_owner(t, by_pid)
+            owner = self.tapped_owner(t, by_pid)
             if owner is None:
                 continue
             if t.exited_at is None:
-                t.series.set_gauges({sn.ENGINE_FAMILY_TAPPED: 1.0, sn.ENGINE_SLEEPING: sleeping.get(owner, 0.0)})
+                t.series.set_gauges({sn.ENGINE_TREE_TAPPED: 1.0, sn.ENGINE_SLEEPING: sleeping.get(owner, 0.0)})
             if sn.CUDA_COPY_D2H_BYTES in t.series.series:
                 acc = copies.setdefault(owner, [0.0, 0.0, 0.0, 0.0])
                 acc[0] += t.series.last(sn.CUDA_COPY_D2H_BYTES)

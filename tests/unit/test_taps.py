@@ -330,8 +330,8 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
     scraper.at = 1.0
     taps.sample(t.values(), 1.0)
     assert t[500].series.gauge("engine_sleeping") == t[501].series.gauge("engine_sleeping") == 1.0
-    assert t[501].series.gauge("engine_family_tapped") == 1.0
-    assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_family_tapped") == 0.0
+    assert t[501].series.gauge("engine_tree_tapped") == 1.0
+    assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_tree_tapped") == 0.0
 
 
 def test_tenant_series_are_the_folds_labels_and_add_up() -> None:
