@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("--removals", type=int, default=EnginesConfig().regret_blocks)
     args = ap.parse_args()
     counts, _ = replay(args.run, args.removals)
-    truth = json.loads((args.run / "validation.json").read_text()).get("closure", {})
+    found = args.run / "validation.json"  # the truth, where the run's validation came back with it
+    truth = json.loads(found.read_text()).get("closure", {}) if found.exists() else {}
     print(f"regret memory: {args.removals:,} removals per medium")
     # unnamed tenants' labels are keyed by the node's key: rows are matched by medium and stored blocks
     ref = {
@@ -78,8 +79,9 @@ def main() -> None:
         for _, t in sorted(tenants.items()):
             label, want = ref.get((medium, t.stored), ("?", None))
             if t.stored:
+                said = f"{want:>9,}" if want is not None else "        -"
                 print(
-                    f"  {medium:4} {label:16} regretted {t.regretted:>9,}  (subscriber: {want:>9,})  removed {t.removed:>10,}"
+                    f"  {medium:4} {label:16} regretted {t.regretted:>9,}  (subscriber: {said})  removed {t.removed:>10,}"
                 )
         m = media[medium]
         print(f"  {medium:4} all regretted {m.regretted:,}, removals forgotten {m.removals_forgotten:,}")
