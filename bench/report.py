@@ -300,9 +300,9 @@ def flood_rss(text: str) -> str:
     ]
     if not rows:
         return "not run"
-    real = re.search(r"peaked at ([0-9.]+) MiB\s+with the CPU tier and ([0-9.]+) MiB without it", text)
+    real = re.search(r"^Real engine, latest: (.+)\.$", text, re.M)
     got = f"peak {rows[-1][1]} MiB ({rows[-1][0].split()[0]})"
-    return got + (f"; real vLLM on the H100: {real[1]} MiB with the tier, {real[2]} without (d3038a1)" if real else "")
+    return got + (f"; real vLLM 0.26.0 on the H100: {real[1]}" if real else "")
 
 
 def retained_rss(text: str) -> list[tuple[str, str, str]]:
