@@ -35,9 +35,7 @@ store the stream never saw is ``unknown``'s.
 
 from __future__ import annotations
 
-from array import array
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from math import copysign
@@ -45,6 +43,7 @@ from typing import Any
 
 from kvwatch.daemon.engines.hashmem import HashMemory, fingerprint
 from kvwatch.daemon.engines.memory_budget import cost
+from kvwatch.daemon.engines.pending import PendingRemovals
 from kvwatch.daemon.engines.removals import RemovalMemory
 from kvwatch.daemon.engines.tenants import DEFAULT, UNKNOWN
 from kvwatch.daemon.engines.wire import Hash
@@ -64,7 +63,6 @@ class MediumBlocks:
         "_copies",
         "_pending",
         "_pending_max",
-        "_pending_n",
         "_regret_le",
         "_removed_at",
         "_stored_at",
@@ -95,10 +93,7 @@ class MediumBlocks:
         self._regret_le = [0] * (len(REGRET_BUCKETS) + 1)  # per bucket, the last one +Inf
         self._stored_at = HashMemory(max_stored)
         self._removed_at = RemovalMemory(max_removed)  # capacity 0: no regret accounting
-        # GPU removals not offloaded yet: per batch, its time, fingerprints and their tags (none: all
-        # untagged), packed (10 bytes a removal: a flood keeps tens of thousands waiting)
-        self._pending: deque[tuple[float, array[int], array[int] | None]] = deque()
-        self._pending_n = 0
+        self._pending = PendingRemovals()  # GPU removals not offloaded yet (pending.py)
         self._pending_max = _pending_max(max_stored)
         # a hash held in more than one physical block (stored again while held): its copies beyond
         # the first, so that removing one copy leaves it held; at most max_stored // 16 such hashes
@@ -162,10 +157,8 @@ class MediumBlocks:
         # only blocks whose store the stream saw (older ones cannot be judged), and not alone
         judged = [k for k in keys if k not in alone] if lower else []
         if judged:
-            jtags = array("H", [tag_of.get(k, 0) for k in judged]) if tag_of else None
-            self._pending.append((ts, array("Q", judged), jtags))
-            self._pending_n += len(judged)
-            if self._pending_n > self._pending_max:
+            self._pending.add(ts, judged, [tag_of.get(k, 0) for k in judged] if tag_of else None)
+            if self._pending.n > self._pending_max:
                 self.settle(float("inf"), lower)
         seen = set(keys)
         again = [f for f in fps if f not in seen]  # removed before without a store between
@@ -213,13 +206,10 @@ class MediumBlocks:
         """Judge the GPU removals older than OFFLOAD_SETTLE_SECONDS: those no lower tier holds
         or removed by now were dropped. The offload's announcement may follow the removal (a
         request preempted with its store in flight), hence the wait."""
-        while self._pending and self._pending[0][0] <= ts - OFFLOAD_SETTLE_SECONDS:
-            _, packed, tags = self._pending.popleft()
-            self._pending_n -= len(packed)
-            fps = packed.tolist()
+        for fps, tags in self._pending.take(ts - OFFLOAD_SETTLE_SECONDS):
             self.dropped += _dropped(fps, lower)
             if tags is not None:
-                self._tenant_drops(fps, tags.tolist(), lower)
+                self._tenant_drops(fps, tags, lower)
 
     def _tenant_drops(self, fps: Sequence[int], tags: Sequence[int], lower: Sequence[MediumBlocks]) -> None:
         by_tag: dict[int, list[int]] = {}
@@ -266,7 +256,6 @@ class MediumBlocks:
     def clear(self) -> None:
         self._copies.clear()
         self._pending.clear()
-        self._pending_n = 0
         self._stored_at.clear()
         self._removed_at.clear()
 
