@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import structlog
@@ -91,7 +92,6 @@ class AgentParts:
 class Agent:
     def __init__(self, config: Config, parts: AgentParts) -> None:
         self.config = config
-        self.parts = parts
         self.clock, self.wall, self.errors, self.procfs = parts.clock, parts.wall, parts.errors, parts.procfs
         self.tracker = parts.tracker
         self.discovery = parts.tracker.discovery
@@ -121,7 +121,10 @@ class Agent:
             Stage("hints", self._hints, "exec hints", "watched set"),
             Stage("discovery", self._discover, "processes (procfs)", "watched set, KV tiers' owners"),
             Stage("kv_tiers", self._refresh_tiers, "KV tier directories", "KV inodes"),
-            Stage("attach", self._attach, "watched set", "uprobe attachments (each family's thread)"),
+            *(
+                Stage(f.name, partial(self._attach, f), "watched set", "its attacher's wanted set")
+                for f in self.families
+            ),
             Stage("engines", self._sync_engines, "watched set", "engine taps' plans"),
             Stage("sample", self._ingest, "every source", "processes' and tiers' series"),
             Stage("tier_owners", self._tier_owners, "KV tiers, watched set", "tier owners"),
@@ -140,13 +143,8 @@ class Agent:
     def _refresh_tiers(self, _now: float) -> None:
         self.memory_family.refresh_tiers()
 
-    def _attach(self, _now: float) -> None:
-        tracked = self.tracker.tracked()
-        for family in self.families:
-            try:
-                family.tick(tracked)
-            except Exception as err:  # one family's failure leaves the other attaching
-                self.errors.record(f"tick_{family.name}", f"tick step {family.name} failed", err)
+    def _attach(self, family: CudaFamily | TransferFamily, _now: float) -> None:
+        family.tick(self.tracker.tracked())
 
     @property
     def families(self) -> tuple[CudaFamily | TransferFamily, ...]:
@@ -162,9 +160,9 @@ class Agent:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        probed = [s for s in self.sources if s is not self.engines]
-        for source in probed:
-            source.start()
+        for source in self.sources:
+            if source is not self.engines:  # the engine taps start once the compilers' memory is back
+                source.start()
         uprobes = any(f.probes is not None for f in self.families)
         if self.bpf_stats is not None and self.config.self_cost.bpf_stats and not self.bpf_stats.enable():
             self.errors.record("bpf_stats", "BPF statistics could not be turned on", None, reason=self.bpf_stats.error)
@@ -176,9 +174,8 @@ class Agent:
             )
         if self.memory_family.probes is not None or uprobes:
             release_compiler_memory()
-        for source in self.sources:
-            if source not in probed:
-                source.start()
+        if self.engines is not None:
+            self.engines.start()
         self.tick()
 
     @property

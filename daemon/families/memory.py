@@ -141,10 +141,6 @@ class MemoryFamily:
 
     name = "memory"
 
-    def sample(self, tracked: Sequence[Tracked], now: float) -> None:
-        """The kernel's counters, read once: each watched process's totals, each KV tier's pages."""
-        self.ingest(now)
-
     def not_ready(self) -> tuple[str, ...]:
         if self.probes is None and any(f for f in self.config.probes.memory):
             return ("kernel-memory probes not loaded",)
@@ -230,13 +226,13 @@ class MemoryFamily:
         ]
 
     # --- series ---------------------------------------------------------------------------
-    def ingest(self, now: float) -> None:
-        """Read the counters once: each tracked process's totals, each tier's pages."""
+    def sample(self, tracked: Sequence[Tracked], now: float) -> None:
+        """The kernel's counters, read once: each watched process's totals, each KV tier's pages."""
         if self.probes is None:
             return
         sample = self.probes.sample()
         self.last_sample = sample
-        for t in self.tracker.tracked():
+        for t in tracked:
             c = sample.processes.get(t.pid)
             if c is None:
                 totals = dict.fromkeys(PROCESS_TOTALS, 0.0)
