@@ -7,7 +7,7 @@ that was ~80 bytes a removal."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 COMPACT_BATCHES = 4096  # settled batches kept at the front before the arrays are cut down
 
@@ -34,24 +34,25 @@ class PendingRemovals:
             self._tags.extend(tags)
         self.n += len(fps)
 
-    def take(self, before: float) -> list[tuple[list[int], list[int] | None]]:
-        """The batches removed at or before ``before``, oldest first, each with its tags (None
-        when none is tagged); they wait no more."""
-        out: list[tuple[list[int], list[int] | None]] = []
-        b, k, batches = self.batch0, self.key0, len(self._ts)
-        while b < batches and self._ts[b] <= before:
-            end = k + self._len[b]
-            tags = self._tags[k:end].tolist()
-            out.append((self._fps[k:end].tolist(), tags if any(tags) else None))
+    def take(self, before: float) -> Iterator[tuple[array[int], array[int] | None]]:
+        """The batches removed at or before ``before``, oldest first, one at a time, each with
+        its tags (None when none is tagged); each waits no more once it is yielded. One batch
+        at a time, as slices of the packed arrays: a flood's backlog judged at once (past the
+        cap on waiting removals) would otherwise be tens of thousands of ints alive together,
+        and pymalloc keeps the arenas such a burst takes."""
+        while self.batch0 < len(self._ts) and self._ts[self.batch0] <= before:
+            k = self.key0
+            end = k + self._len[self.batch0]
+            tags = self._tags[k:end]
+            self.batch0, self.key0 = self.batch0 + 1, end
             self.n -= end - k
-            b, k = b + 1, end
-        self.batch0, self.key0 = b, k
+            yield self._fps[k:end], tags if any(tags) else None
+        b, batches = self.batch0, len(self._ts)
         if b == batches:
             self.clear()
         elif b >= COMPACT_BATCHES and 2 * b >= batches:
-            del self._ts[:b], self._len[:b], self._fps[:k], self._tags[:k]
+            del self._ts[:b], self._len[:b], self._fps[: self.key0], self._tags[: self.key0]
             self.batch0 = self.key0 = 0
-        return out
 
     def clear(self) -> None:
         self._ts, self._len, self._fps, self._tags = array("d"), array("I"), array("Q"), array("H")
