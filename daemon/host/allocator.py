@@ -7,11 +7,13 @@ buffer raises the size from which buffers are mapped on their own (up to 32 MiB)
 numpy temporaries land in the arenas and fragment them, and freed arena memory is returned
 only from the top. So, before any thread starts:
 
-* at most ARENA_MAX arenas (the hub's and the tick's threads share them);
+* one arena for every thread (ARENA_MAX): the hub's and the tick's threads take their turns
+  under the GIL anyway, and a second arena only keeps a second pool of freed pages;
 * every buffer of MMAP_THRESHOLD or more mapped on its own and unmapped when freed (a fixed
   threshold: glibc then stops raising it);
-* and ``trim`` (every TRIM_SECONDS from the tick) hands free arena pages back to the kernel,
-  wherever they are (``malloc_trim``), so a burst's leftovers do not stay resident.
+* and ``trim`` (every TRIM_SECONDS from the tick: under 1 ms with 20 MiB of scattered free
+  chunks) hands free arena pages back to the kernel, wherever they are (``malloc_trim``), so a
+  burst's leftovers do not stay resident.
 
 Measured in ``bench/results/daemon_rss_flood.md``.
 """
@@ -29,10 +31,10 @@ log = structlog.get_logger("kvwatch.allocator")
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-ARENA_MAX = 2
+ARENA_MAX = 1
 MMAP_THRESHOLD = 128 << 10
 TRIM_THRESHOLD = 4 << 20  # free memory at a heap's top above this is returned at once
-TRIM_SECONDS = 5.0
+TRIM_SECONDS = 1.0
 
 
 def _libc() -> ctypes.CDLL | None:
