@@ -35,6 +35,8 @@ from kvwatch.daemon.model.engines import (
     StreamSpec,
     StreamStats,
     TargetState,
+    groups_of,
+    media_of,
 )
 from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.tracker import Tracked
@@ -46,38 +48,38 @@ MAX_TREE_DEPTH = 8
 
 
 def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dict[str, float]]:
-    """A tapped process's KV event series (cumulative) and gauges, summed over its streams."""
+    """A tapped process's KV event series (cumulative) and gauges, from the same sums over its
+    streams as the exporters' view (``media_of``, ``groups_of``)."""
     values: dict[str, float] = {
         sn.KV_CLEARED: float(sum(s.cleared for s in streams)),
         sn.KV_BATCHES_LOST: float(sum(s.lost for s in streams)),
     }
-    gauges: dict[str, float] = {
-        f"{sn.KV_RESIDENT}GPU": float(sum(g.totals.resident for s in streams for g in s.groups if g.medium == "GPU")),
-    }
+    groups = groups_of(streams)
+    resident = sum(g.totals.resident for g in groups if g.medium == "GPU")
+    gauges: dict[str, float] = {f"{sn.KV_RESIDENT}GPU": float(resident)}
 
     def add(name: str, v: float) -> None:
         values[name] = values.get(name, 0.0) + v
 
-    for s in streams:
-        for medium, m in s.media.items():  # logical: each medium's reference group
-            add(f"{sn.KV_STORED}{medium}", m.stored)
-            add(f"{sn.KV_REMOVED}{medium}", m.removed)
-            add(f"{sn.KV_REMOVED_YOUNG}{medium}", m.removed_young)
-            add(f"{sn.KV_REGRETTED}{medium}", m.regretted)
-            add(f"{sn.KV_RESTORED}{medium}", m.restored)
-            add(f"{sn.KV_ANNOUNCED}{medium}", m.announced)
-            add(f"{sn.KV_ANNOUNCED_TOKENS}{medium}", m.announced_tokens)
-        window_group: dict[str, GroupTotals] = {}
-        for g in s.groups:  # physical: every group's blocks
-            add(f"{sn.KV_PHYSICAL_STORED}{g.medium}", g.totals.stored)
-            if g.full:
-                continue
-            if g.reference:
-                gauges[f"{sn.KV_WINDOW_BOUNDED}{g.medium}"] = 1.0
-            else:
-                window_group.setdefault(g.medium, g)
-        for medium, g in window_group.items():  # a hybrid model's first window-bounded group
-            add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
+    for medium, m in media_of(streams).items():  # logical: each medium's reference group
+        values[f"{sn.KV_STORED}{medium}"] = float(m.stored)
+        values[f"{sn.KV_REMOVED}{medium}"] = float(m.removed)
+        values[f"{sn.KV_REMOVED_YOUNG}{medium}"] = float(m.removed_young)
+        values[f"{sn.KV_REGRETTED}{medium}"] = float(m.regretted)
+        values[f"{sn.KV_RESTORED}{medium}"] = float(m.restored)
+        values[f"{sn.KV_ANNOUNCED}{medium}"] = float(m.announced)
+        values[f"{sn.KV_ANNOUNCED_TOKENS}{medium}"] = float(m.announced_tokens)
+    window_group: dict[str, GroupTotals] = {}
+    for g in groups:  # physical: every group's blocks
+        add(f"{sn.KV_PHYSICAL_STORED}{g.medium}", g.totals.stored)
+        if g.full:
+            continue
+        if g.reference:
+            gauges[f"{sn.KV_WINDOW_BOUNDED}{g.medium}"] = 1.0
+        else:
+            window_group.setdefault(g.medium, g)
+    for medium, g in window_group.items():  # a hybrid model's first window-bounded group
+        add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
     return values, gauges
 
 

@@ -151,6 +151,26 @@ class StreamStats:
     regret_horizon: Mapping[str, float] = field(default_factory=dict)
 
 
+def media_of(streams: Iterable[StreamStats]) -> dict[str, MediumTotals]:
+    """Per medium, the logical blocks' totals summed over a process's streams (its data-parallel
+    ranks): the one sum that the detectors' series and the exporters' views both read."""
+    out: dict[str, MediumTotals] = {}
+    for s in streams:
+        for name, m in s.media.items():
+            out[name] = out.get(name, MediumTotals()) + m
+    return out
+
+
+def groups_of(streams: Iterable[StreamStats]) -> list[GroupTotals]:
+    """Per medium and KV cache group, the physical blocks summed over a process's streams."""
+    out: dict[tuple[str, int], GroupTotals] = {}
+    for s in streams:
+        for g in s.groups:
+            had = out.get((g.medium, g.group))
+            out[(g.medium, g.group)] = g if had is None else replace(had, totals=had.totals + g.totals)
+    return [out[k] for k in sorted(out)]
+
+
 def tenants_by_medium(streams: Iterable[StreamStats]) -> dict[str, dict[str, MediumTotals]]:
     """Per medium and tenant name, the streams' logical counts summed (an engine's data-parallel ranks)."""
     out: dict[str, dict[str, MediumTotals]] = {}
@@ -287,11 +307,7 @@ class EngineView:
     @property
     def media(self) -> dict[str, MediumTotals]:
         """Per medium, the logical blocks' totals summed over data-parallel ranks."""
-        out: dict[str, MediumTotals] = {}
-        for s in self.streams:
-            for name, m in s.media.items():
-                out[name] = out.get(name, MediumTotals()) + m
-        return out
+        return media_of(self.streams)
 
     @property
     def regret_horizon(self) -> dict[str, float]:
@@ -306,12 +322,7 @@ class EngineView:
     @property
     def groups(self) -> list[GroupTotals]:
         """Per medium and KV cache group, the physical blocks summed over data-parallel ranks."""
-        out: dict[tuple[str, int], GroupTotals] = {}
-        for s in self.streams:
-            for g in s.groups:
-                had = out.get((g.medium, g.group))
-                out[(g.medium, g.group)] = g if had is None else replace(had, totals=had.totals + g.totals)
-        return [out[k] for k in sorted(out)]
+        return groups_of(self.streams)
 
     @property
     def tenants(self) -> dict[str, dict[str, MediumTotals]]:

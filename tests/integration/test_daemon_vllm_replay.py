@@ -126,7 +126,7 @@ def test_real_vllm_pressure_replayed(run: dict[str, Any], tmp_path: Path) -> Non
         lost = dict((lab["source"], v) for lab, v in d.metrics()["kvwatch_events_lost_total"])
         assert lost["kv_removals_forgotten"] == 0  # every removal remembered: none of the regrets missed
         check_ledger(d, pid, totals)
-        alerts = onsets(d)
+        alerts = onsets(d, pid)
     pressure = wall0 + run["marks"]["pressure_start"]
     bursts = [e for e in alerts if e["alert"] == "KVEvictionBurst"]
     assert [e for e in alerts if e["wall"] < pressure] == [], "an alert while steady"

@@ -91,7 +91,7 @@ def test_real_hybrid_vllm_replayed(run: dict[str, Any], tmp_path: Path) -> None:
         r.wait_every_batch(totals["batches"])
         through_the_window(r.d, r.pid, t0 + run["window_seconds"])
         metrics = r.d.metrics()
-        alerts = onsets(r.d)
+        alerts = onsets(r.d, r.pid)
         log = r.d.log.read_text()
     check_counts(metrics, r.pid, totals["groups"])
     check_alerts(alerts, log, run["marks"], wall0)

@@ -102,7 +102,7 @@ def test_real_vllm_tenants_with_a_cpu_tier_replayed(run: dict[str, Any], tmp_pat
         r.wait_every_batch(run["totals"]["batches"])
         through_the_window(r.d, r.pid, t0 + run["window_seconds"])
         metrics = r.d.metrics()
-        alerts = onsets(r.d)
+        alerts = onsets(r.d, r.pid)
         log, text = r.d.log.read_text(), r.d.get("/metrics")[1]
     key = key_file.read_bytes()
     labels = {

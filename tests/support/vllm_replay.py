@@ -72,12 +72,16 @@ def stand_in_process(name: str) -> Iterator[subprocess.Popen[bytes]]:
         p.wait()
 
 
-def onsets(d: DaemonProcess) -> list[dict[str, Any]]:
-    """Every alert onset in the daemon's log, with its wall-clock time as ``wall``."""
+def onsets(d: DaemonProcess, pid: str) -> list[dict[str, Any]]:
+    """Every alert onset in the daemon's log about process ``pid`` or about no process, with its
+    wall-clock time as ``wall``. The daemon watches every engine-like process on the host: another
+    suite's stand-in engines running beside this one must not count as this replay's alerts."""
     out = []
     for line in d.log.read_text().splitlines():
         if line.startswith("{") and '"alert firing"' in line:
             e = json.loads(line)
+            if e.get("label_pid", pid) != pid:
+                continue
             e["wall"] = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
             out.append(e)
     return out
