@@ -180,13 +180,11 @@ def stream_fields() -> dict[str, Any]:
 def run_worst(streams: int, scale: int) -> dict[str, Any]:
     cfg = EnginesConfig()
     if scale > 1:  # a quick run: every bound and the budget divided by ``scale``
-        cfg = cfg.model_copy(
-            update={
-                k: getattr(cfg, k) // scale
-                for k in ("max_tracked_blocks", "regret_memory_rate", "kv_memory_bytes")
-                if hasattr(cfg, k)
-            }
-        )
+        keys = ("max_tracked_blocks", "regret_memory_rate", "kv_memory_bytes")
+        smaller = {k: getattr(cfg, k) // scale for k in keys if hasattr(cfg, k)}
+        # a commit before the configuration was msgspec's had pydantic's model_copy
+        copy = getattr(cfg, "model_copy", None)
+        cfg = copy(update=smaller) if copy is not None else msgspec.structs.replace(cfg, **smaller)
     bounds = (cfg.max_tracked_blocks, cfg.regret_blocks)
     budget_bytes = getattr(cfg, "kv_memory_bytes", None)
     budget = MemoryBudget(budget_bytes) if MemoryBudget is not None and budget_bytes else None

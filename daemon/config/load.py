@@ -21,43 +21,17 @@ problem over two lines.
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-from pydantic_core import ErrorDetails
+from kvwatch.daemon.config import DEFAULT_CONFIG_PATH, ENV_PREFIX, Config
+from kvwatch.daemon.config.base import ConfigError, ConfigProblem, parse
 
-from kvwatch.daemon.config import DEFAULT_CONFIG_PATH, ENV_PREFIX, UNECHOED_KEYS, Config
+__all__ = ["ConfigError", "ConfigProblem", "env_overrides", "load_config"]
 
 MAX_FILE_BYTES = 1 << 20  # a configuration file is read up to this (the example is 12 KiB)
-_USERINFO = re.compile(r"[^\s/@'\"]+@")  # user:password@ in an address
-
-
-def _one_line(text: str) -> str:
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-@dataclass(frozen=True, slots=True)
-class ConfigProblem:
-    key: str
-    message: str
-    source: str
-
-    def __str__(self) -> str:
-        return f"{_one_line(self.key)}: {_one_line(self.message)} (from {_one_line(self.source)})"
-
-
-class ConfigError(Exception):
-    """Every problem found in the configuration, reported at once."""
-
-    def __init__(self, problems: list[ConfigProblem]) -> None:
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
 
 
 def _scalar(text: str) -> Any:
@@ -215,34 +189,9 @@ def load_config(
         _extend(tree, dotted, items, f"flag {flag}", sources)
 
     try:
-        config = Config.model_validate(tree)
-    except ValidationError as err:
-        problems += [_problem(e, sources) for e in err.errors()]
-        raise ConfigError(problems) from None
+        config = parse(Config, tree, sources)
+    except ConfigError as err:
+        raise ConfigError(problems + err.problems) from None
     if problems:
         raise ConfigError(problems)
     return config
-
-
-def _problem(e: ErrorDetails, sources: Mapping[str, str]) -> ConfigProblem:
-    loc = [str(p) for p in e["loc"]]
-    msg = e["msg"].removeprefix("Value error, ")  # a validator's own message says what it means
-    if e["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif (
-        e["type"] != "value_error"
-        and "input" in e
-        and not isinstance(e["input"], dict | list)
-        and not UNECHOED_KEYS.intersection(loc)
-    ):
-        got = repr(e["input"])
-        msg = f"{msg} (got {got if len(got) <= 80 else got[:77] + '...'})"
-    return ConfigProblem(".".join(loc) or "(root)", _USERINFO.sub("***@", msg), _source_of(loc, sources))
-
-
-def _source_of(loc: list[str], sources: Mapping[str, str]) -> str:
-    for n in range(len(loc), 0, -1):
-        key = ".".join(loc[:n])
-        if key in sources:
-            return sources[key]
-    return "defaults"

@@ -10,7 +10,8 @@ from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 
 class _Switchable(Protocol):
-    enabled: bool
+    @property
+    def enabled(self) -> bool: ...
 
 
 C = TypeVar("C", bound=_Switchable)

@@ -23,6 +23,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from kvwatch.daemon.config import EnginesConfig
 from kvwatch.daemon.engines.reach import Reach, port_number
 from kvwatch.daemon.model.engines import EnginePlan, StreamSpec
@@ -225,7 +227,7 @@ def plan_from_cmdline(t: Tracked, argv: Sequence[str], cfg: EnginesConfig, reach
         plan = _sglang_plan(t, flags, cfg, reach)
     elif carries_vllm_kv_events(flags):
         metrics = engine == "vllm" or "--port" in flags
-        plan = _vllm_plan(t, flags, cfg if metrics else cfg.model_copy(update={"metrics": False}), reach)
+        plan = _vllm_plan(t, flags, cfg if metrics else msgspec.structs.replace(cfg, metrics=False), reach)
     else:
         return None
     if not plan.streams and plan.metrics_url is None and not plan.notes:

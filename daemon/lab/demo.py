@@ -32,7 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.demo_scenarios import DEMO_SCENARIOS
 from kvwatch.daemon.lab.engine_sim_cli import SimulatedEngineProcess
 from kvwatch.daemon.lab.memcg import CgroupUnavailable, MemoryCgroup
@@ -51,7 +54,7 @@ CGROUP_MB, SQUEEZE_MB = 768, 640
 
 
 def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
-    data = base.model_dump()
+    data = msgspec.to_builtins(base, enc_hook=str)
     data["daemon"]["listen"] = listen
     data["discovery"]["rules"] = [*data["discovery"]["rules"], *DEMO_RULES]
     data["discovery"]["interval_seconds"] = 1.0
@@ -73,7 +76,7 @@ def demo_config(base: Config, kv_dir: Path, listen: str) -> Config:
     data["detectors"]["preemption_livelock"].update(
         warmup_seconds=0.0, baseline_min_seconds=3.0, window_seconds=2.0, confirm_windows=1
     )
-    return Config.model_validate(data)
+    return parse(Config, data)
 
 
 def _say(msg: str) -> None:

@@ -116,14 +116,18 @@ AGGRESSOR = {"issue24": "b", "issue36": "d", "issue36park": "d"}
 
 def known(path: str) -> bool:
     """Whether kvwatch's config (this tree's) has the dotted key."""
+    import msgspec
+
     from kvwatch.daemon.config import Config
 
     model: Any = Config
     for part in path.split("."):
-        fields = getattr(model, "model_fields", None)
-        if fields is None or part not in fields:
+        if not (isinstance(model, type) and issubclass(model, msgspec.Struct)):
             return False
-        model = fields[part].annotation
+        fields = {f.name: f.type for f in msgspec.structs.fields(model)}
+        if part not in fields:
+            return False
+        model = fields[part]
     return True
 
 

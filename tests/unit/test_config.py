@@ -7,9 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwatch.daemon.cli import build_parser, config_from_args, main
-from kvwatch.daemon.config import parse_listen
+from kvwatch.daemon.config import Config, parse_listen
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.config.load import ConfigError, load_config
 
 
@@ -308,3 +311,42 @@ def test_an_unreadable_default_file_is_a_problem_not_a_crash() -> None:
     finally:
         locked.chmod(0o700)
         shutil.rmtree(base)
+
+
+def _tree() -> st.SearchStrategy[object]:
+    """Trees shaped like a configuration: the real keys (and strangers) holding any TOML value."""
+    sections = ["daemon", "discovery", "engines", "alerts", "alertmanager", "probes", "kv_tiers", "dirs", "rules"]
+    keys = ["tenants", "listen", "pids", "name", "salt", "lora", "url", "path", "engine", "cmdline", "labels", "x\n"]
+    names = st.sampled_from([*sections, *keys])
+    leaves = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
+    return st.recursive(
+        leaves,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(names, inner, max_size=5),
+        max_leaves=24,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(["daemon", "discovery", "engines", "alerts", "kv_tiers", "zz"]), _tree()))
+def test_fuzz_any_tree_is_a_config_or_problems_one_line_each(tree: dict[str, object]) -> None:
+    """Whatever a file holds, the answer is a configuration or every problem in it, each on one line,
+    naming a key: never another exception."""
+    try:
+        parse(Config, tree)
+    except ConfigError as err:
+        assert err.problems
+        for problem in err.problems:
+            assert problem.key and "\n" not in str(problem), problem
+
+
+def test_each_bad_item_of_a_list_is_its_own_problem() -> None:
+    rules = [{"engine": "a", "comm": "("}, {"engine": "B!"}, {"engine": "ok", "cmdline": "x"}, {"comm": "y"}]
+    with pytest.raises(ConfigError) as ei:
+        parse(Config, {"discovery": {"rules": rules, "pids": [4, 0, -2]}, "daemon": {"tls_cert": "/c"}})
+    assert sorted(p.key for p in ei.value.problems) == [
+        "daemon",  # tls_cert without tls_key: a rule between two keys is said at their section
+        "discovery.pids.1",  # msgspec stops at a list's first bad item: the list is one value
+        "discovery.rules.0.comm",
+        "discovery.rules.1.engine",
+        "discovery.rules.3.engine",
+    ]

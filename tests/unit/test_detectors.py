@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.config import HostTierEvictionConfig, OOMConfig
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.host_tier import ALERT, HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
@@ -56,7 +57,7 @@ class TierSim:
 
 def cfg(**kw: float) -> HostTierEvictionConfig:
     base = {"warmup_seconds": 0.0, "window_seconds": 2.0, "confirm_windows": 2, "clear_windows": 3}
-    return HostTierEvictionConfig.model_validate({**base, **kw})
+    return parse(HostTierEvictionConfig, {**base, **kw})
 
 
 def test_fires_on_eviction_with_refaults_after_confirm() -> None:

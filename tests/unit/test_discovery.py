@@ -2,7 +2,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from kvwatch.daemon.config import DiscoveryConfig, EngineRule
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.discovery import Discovery, disagg_role
 from kvwatch.daemon.host.cgroups import parse_cgroup
 from kvwatch.daemon.host.procfs import ProcessGone, ProcFS
@@ -46,7 +49,7 @@ PROCS = [
 
 def disc(tmp_path: Path, procs: list[FakeProc] = PROCS, **cfg: object) -> Discovery:
     root = make_proc(tmp_path / "proc", procs)
-    return Discovery(DiscoveryConfig.model_validate({"proc_root": root, **cfg}), ProcFS(tmp_path))
+    return Discovery(parse(DiscoveryConfig, {"proc_root": root, **cfg}), ProcFS(tmp_path))
 
 
 def by_pid(d: Discovery) -> dict[int, object]:
@@ -91,7 +94,7 @@ def test_manual_pids_and_custom_rules(tmp_path: Path) -> None:
 
 
 def test_rules_can_be_replaced(tmp_path: Path) -> None:
-    d = disc(tmp_path, default_rules=False, rules=[EngineRule(engine="only", comm="^sleep$").model_dump()])
+    d = disc(tmp_path, default_rules=False, rules=[msgspec.to_builtins(EngineRule(engine="only", comm="^sleep$"))])
     assert set(by_pid(d)) == {109}
 
 

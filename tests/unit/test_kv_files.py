@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwatch.daemon.config import KVTiersConfig
+from kvwatch.daemon.config import KVTierDir, KVTiersConfig
 from kvwatch.daemon.families.kv_files import DELETE_GRACE_SECONDS, KVTierRegistry
 from kvwatch.daemon.families.kv_inotify import KVFileWatcher
 from kvwatch.daemon.host.procfs import ProcFS
@@ -38,7 +38,7 @@ def registry(tmp_path: Path) -> tuple[KVTierRegistry, Inodes, Clock, Path]:
     kv = tmp_path / "kv"
     kv.mkdir()
     sink, clock = Inodes(), Clock()
-    config = KVTiersConfig(dirs=[{"path": kv}], rescan_seconds=3600)  # type: ignore[list-item]
+    config = KVTiersConfig(dirs=[KVTierDir(path=kv)], rescan_seconds=3600)
     reg = KVTierRegistry(config, sink, procfs=ProcFS(tmp_path), clock=clock)
     reg.sync([])
     reg.refresh()  # the first rescan is now; the next in an hour

@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from pydantic import ValidationError
 
 from kvwatch.daemon.config import EnginesConfig
+from kvwatch.daemon.config.base import ConfigError, parse
 from kvwatch.daemon.engines.blocks import MediumBlocks
 from kvwatch.daemon.engines.groups import MAX_STREAM_GROUPS
 from kvwatch.daemon.engines.memory_budget import (
@@ -127,8 +127,8 @@ def test_streams_share_the_node_budget_and_a_shrink_is_counted() -> None:
 def test_the_memory_keys_are_bounded() -> None:
     """A bound past what any node could hold is a mistake said at start-up, not an out-of-memory."""
     for key in ("max_tracked_blocks", "regret_memory_seconds", "regret_memory_rate", "kv_memory_bytes"):
-        with pytest.raises(ValidationError, match=key):
-            EnginesConfig(**{key: 10**14})
+        with pytest.raises(ConfigError, match=key):
+            parse(EnginesConfig, {key: 10**14})
     assert EnginesConfig().kv_memory_bytes == DEFAULT_BYTES
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvwatch.daemon.config import DetectorsConfig, PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
@@ -103,7 +105,7 @@ def test_a_flood_of_unique_prompts_after_hits_is_no_statement_about_the_workload
     """An engine that hit its prefixes (its normal) flooded with unique prompts: its window shares
     nothing, but that is a drop (KVEvictionBurst's case when it evicts), not the workload's nature.
     Once missing has been its normal for a while (the baseline learnt it), not_shared is said."""
-    cfg = CFG.model_copy(update={"baseline_half_life_seconds": 30.0})
+    cfg = msgspec.structs.replace(CFG, baseline_half_life_seconds=30.0)
     d, e = PrefixCacheIneffective(cfg), Engine()
     assert not any(f.firing for f in run(d, e, 60, shared=200, unique=5))
     flood = run(d, e, 200, shared=0, unique=100)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvwatch.daemon.config import ReuseCollapseConfig
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.reuse_collapse import ALERT, GROWTH, ReuseCollapse, allocator_settings
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.series import SeriesSet
@@ -63,7 +64,8 @@ class Proc:
 
 
 def cfg(**kw: object) -> ReuseCollapseConfig:
-    return ReuseCollapseConfig.model_validate(
+    return parse(
+        ReuseCollapseConfig,
         {
             "warmup_seconds": 0,
             "baseline_min_seconds": 5,
@@ -71,7 +73,7 @@ def cfg(**kw: object) -> ReuseCollapseConfig:
             "confirm_windows": 2,
             "clear_windows": 3,
             **kw,
-        }
+        },
     )
 
 

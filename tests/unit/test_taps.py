@@ -10,6 +10,7 @@ import pytest
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, plan_from_cmdline
 from kvwatch.daemon.engines.reach import Reach, local_ipv4
@@ -192,7 +193,8 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
         Tracked(procs[401], 2.0, SeriesSet()),
         Tracked(procs[402], 3.0, SeriesSet()),
     ]
-    cfg = Config.model_validate(
+    cfg = parse(
+        Config,
         {
             "engines": {
                 "endpoints": [
@@ -204,7 +206,7 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
                     }
                 ]
             }
-        }
+        },
     ).engines
     hub, scraper = _Recorder(), _Recorder()
     taps = EngineTaps(cfg, ProcFS(tmp_path), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
@@ -274,7 +276,8 @@ def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
             FakeProc(83, "bash", ["bash"]),
         ],
     )
-    cfg = Config.model_validate(
+    cfg = parse(
+        Config,
         {
             "engines": {
                 "endpoints": [
@@ -282,7 +285,7 @@ def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
                     {"pid": 82, "metrics_url": "http://127.0.0.1:9100/metrics"},
                 ]
             }
-        }
+        },
     )
     disc = Discovery(DiscoveryConfig(proc_root=root), ProcFS(tmp_path), endpoints=cfg.engines.endpoints)
     found = {p.pid: p for p in disc.scan()}

@@ -16,6 +16,7 @@ import pytest
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.engines.tenants import TenantNamer
@@ -87,7 +88,8 @@ class Node:
 
     def __init__(self, tmp_path: Path, stats: Callable[[Config], Stats], top_k: int = 2) -> None:
         root = make_proc(tmp_path / "proc", [FakeProc(300, "vllm", VLLM)])
-        self.config = Config.model_validate(
+        self.config = parse(
+            Config,
             {
                 "discovery": {"proc_root": str(root), "nvml": "off"},
                 "engines": {
@@ -96,7 +98,7 @@ class Node:
                     "tenants": [{"name": f"tenant-{n}", "salt": f"salt-{n}"} for n in TENANTS],
                 },
                 "detectors": {"tenant_thrash": THRASH},
-            }
+            },
         )
         self.now = 0.0
         taps = EngineTaps(

@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from pydantic import ValidationError
 
 from kvwatch.daemon.config import EnginesConfig, TenantRule
+from kvwatch.daemon.config.base import ConfigError, parse
 from kvwatch.daemon.engines.stream_counts import StreamCounts
 from kvwatch.daemon.engines.tenants import MAX_TENANTS, TenantBook, TenantFold, TenantNamer, load_key
 from kvwatch.daemon.lab import wire_encode as we
@@ -43,14 +43,15 @@ def test_names_configured_hashed_or_adapter_and_never_the_salt() -> None:
 
 
 def test_rules_are_checked_all_at_once() -> None:
-    with pytest.raises(ValidationError) as err:
-        EnginesConfig(
-            tenants=[{"name": "x"}, {"name": "y", "salt": "s", "lora": "l"}, {"name": "bad name!", "lora": "q"}]
+    with pytest.raises(ConfigError) as err:
+        parse(
+            EnginesConfig,
+            {"tenants": [{"name": "x"}, {"name": "y", "salt": "s", "lora": "l"}, {"name": "bad name!", "lora": "q"}]},
         )
     text = str(err.value)
     assert text.count("exactly one of salt, salt_sha256 or lora") == 2 and "tenants.2.name" in text
-    with pytest.raises(ValidationError, match="a second rule for the same lora"):
-        EnginesConfig(tenants=[{"name": "x", "lora": "l"}, {"name": "y", "lora": "l"}])
+    with pytest.raises(ConfigError, match="a second rule for the same lora"):
+        parse(EnginesConfig, {"tenants": [{"name": "x", "lora": "l"}, {"name": "y", "lora": "l"}]})
 
 
 def test_the_node_key_is_made_once_private_and_kept(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwatch.daemon.config import DiscoveryConfig, KVTiersConfig
+from kvwatch.daemon.config import DiscoveryConfig, KVTierDir, KVTiersConfig
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.discovery import Discovery, Labels
 from kvwatch.daemon.families.kv_files import KVTierRegistry, hicache_dirs, lmcache_dirs, specs_from_process
 from kvwatch.daemon.families.oom import oom_event
@@ -52,7 +53,7 @@ class Clock:
 def setup(tmp_path: Path, procs: list[FakeProc], **cfg: object) -> tuple[ProcessTracker, FakeKernel, Clock, Path]:
     root = make_proc(tmp_path / "proc", procs)
     fs = ProcFS(tmp_path)
-    config = DiscoveryConfig.model_validate({"proc_root": root, **cfg})
+    config = parse(DiscoveryConfig, {"proc_root": root, **cfg})
     kernel, clock = FakeKernel(), Clock()
     tr = ProcessTracker(Discovery(config, fs), fs, kernel, clock=clock, max_processes=config.max_processes)
     return tr, kernel, clock, root
@@ -193,7 +194,7 @@ def test_tier_inodes_follow_files(tmp_path: Path) -> None:
     kv.mkdir()
     (kv / "a.bin").write_bytes(b"x")
     sink, clock = FakeInodes(), Clock()
-    config = KVTiersConfig(dirs=[{"path": kv}], rescan_seconds=3600)  # type: ignore[list-item]
+    config = KVTiersConfig(dirs=[KVTierDir(path=kv)], rescan_seconds=3600)
     reg = KVTierRegistry(config, sink, procfs=ProcFS(tmp_path), clock=clock)
     reg.sync([])
     reg.refresh()
@@ -222,7 +223,7 @@ def test_tier_map_full_is_counted(tmp_path: Path) -> None:
     for i in range(5):
         (kv / f"{i}.bin").write_bytes(b"x")
     sink = FakeInodes(capacity=3)
-    config = KVTiersConfig(dirs=[{"path": kv}])  # type: ignore[list-item]
+    config = KVTiersConfig(dirs=[KVTierDir(path=kv)])
     reg = KVTierRegistry(config, sink, procfs=ProcFS(tmp_path), clock=Clock())
     reg.sync([])
     assert len(sink.inodes) == 3 and reg.stats.map_full == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwatch.daemon.config import TransferCollapseConfig
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.transfer_collapse import ALERT, TransferCollapse
 from kvwatch.daemon.families.transfer import link_bytes_per_second
 from kvwatch.daemon.host.procfs import ProcFS
@@ -45,7 +46,7 @@ def cfg(**kw: object) -> TransferCollapseConfig:
         "confirm_windows": 2,
         "clear_windows": 2,
     }
-    return TransferCollapseConfig.model_validate({**base, **kw})
+    return parse(TransferCollapseConfig, {**base, **kw})
 
 
 def test_effective_bandwidth_arithmetic() -> None:

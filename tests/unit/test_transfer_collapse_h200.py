@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.daemon.config import TransferCollapseConfig
+from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.series import SeriesSet
@@ -34,7 +35,7 @@ def load() -> dict[str, Any]:
 def replay(data: dict[str, Any], phase: float = 0.0, **settings: Any) -> list[tuple[float, float | None]]:
     """(onset, clear) of every firing, in seconds from the recording's start; ticks at ``phase`` + k s."""
     xs = data["transfers"]
-    det = TransferCollapse(TransferCollapseConfig.model_validate({**RUN_SETTINGS, **settings}))
+    det = TransferCollapse(parse(TransferCollapseConfig, {**RUN_SETTINGS, **settings}))
     starts = [x[0] for x in xs]
     done = sorted((s + d, d, b) for s, d, b in xs)
     ends = [e for e, _, _ in done]
