@@ -329,6 +329,7 @@ class Agent:
             psi_some_avg10=self.pressure.cgroup(t.proc.cgroup.unified_path),
             environ=t.proc.environ,
             audit=self.audit.rows.get(t.key, ()),
+            tenants=t.tenants,
         )
 
     def _detect(self, now: float) -> list[Finding]:

@@ -155,12 +155,6 @@ KV_CLEARED = _declare(
     "AllBlocksCleared events",
 )
 KV_BATCHES_LOST = _declare("kv_batches_lost", COUNTER, _TAPS, ("engines.audit",), "batches missed and not replayed")
-# per tenant of the GPU pool (its logical blocks), "+ its label in the process's tenant fold"
-KV_TENANT_STORED = _declare("kv_tenant_stored:", COUNTER, _TAPS, _THRASH, "a tenant's GPU blocks stored")
-KV_TENANT_REMOVED = _declare("kv_tenant_removed:", COUNTER, _TAPS, _THRASH, "a tenant's GPU blocks evicted")
-KV_TENANT_REGRETTED = _declare(
-    "kv_tenant_regretted:", COUNTER, _TAPS, _THRASH, "a tenant's GPU blocks stored again after eviction"
-)
 
 # --- the engine's /metrics as the taps read them (engines.taps; names of ``EngineSample.counters``) ----------
 _BURST = ("detectors.eviction_burst",)

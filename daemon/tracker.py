@@ -10,13 +10,15 @@ a short grace period: the kernel frees their memory after the exit event.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
+from kvwatch.daemon.model.engines import TenantCounts
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 
 log = structlog.get_logger("kvwatch.tracker")
@@ -40,6 +42,10 @@ class Tracked:
     series: SeriesSet
     exited_at: float | None = None
     in_kernel: bool = False
+    tenants: History[TenantCounts] = field(init=False)  # its GPU pool by tenant label (the taps')
+
+    def __post_init__(self) -> None:
+        self.tenants = History(TenantCounts, self.series.horizon)
 
     @property
     def key(self) -> str:

@@ -1,8 +1,8 @@
 """KVTenantThrash: one tenant's KV blocks evicted and recomputed because another tenant's
 traffic took the GPU pool — a noisy neighbour, named.
 
-Per engine process and tenant of its GPU pool (``engines/tenants.py``; the series
-``kv_tenant_*:NAME``), over a trailing window:
+Per engine process and tenant of its GPU pool (``engines/tenants.py``; the window's typed
+``tenants`` history), over a trailing window:
 
 * the victim: its regretted evictions (blocks it stored again after the pool removed them) per
   second reach max(factor x its own baseline, ``floor_regretted_per_second``);
@@ -41,8 +41,9 @@ from kvwatch.daemon.config import TenantThrashConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
+from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Finding, Subject
-from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVTenantThrash"
@@ -115,27 +116,26 @@ class _Window:
         return self.removed.get(name, 0.0) / total if total > 0 else 0.0
 
 
-def _window(s: SeriesSet, w: float) -> _Window:
-    def per_tenant(prefix: str) -> dict[str, float]:
-        return {n[len(prefix) :]: s.delta(n, w) for n in s.series if n.startswith(prefix)}
-
-    stored = per_tenant(sn.KV_TENANT_STORED)
-    seconds = max((s.series[f"{sn.KV_TENANT_STORED}{n}"].delta(w)[1] for n in stored), default=0.0)
-    return _Window(stored, per_tenant(sn.KV_TENANT_REMOVED), per_tenant(sn.KV_TENANT_REGRETTED), seconds)
+def _window(h: History[TenantCounts], w: float) -> _Window:
+    got = {name: h.delta(name, w) for name in h}
+    stored = {n: d.stored for n, (d, _) in got.items()}
+    removed = {n: d.removed for n, (d, _) in got.items()}
+    regretted = {n: d.regretted for n, (d, _) in got.items()}
+    return _Window(stored, removed, regretted, max((dt for _, dt in got.values()), default=0.0))
 
 
 class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
     name = ALERT
 
     def applies(self, p: ProcessWindow) -> bool:
-        return any(n.startswith(sn.KV_TENANT_STORED) for n in p.series.series)
+        return bool(p.tenants)
 
     def new_state(self) -> _State:
         return _State()
 
     def judge_all(self, key: str, st: _State, p: ProcessWindow, now: float) -> list[Finding]:
         c = self.config
-        win = _window(p.series, c.window_seconds)
+        win = _window(p.tenants, c.window_seconds)
         intentional = p.series.delta(sn.KV_CLEARED, c.window_seconds) > 0
         measured = not intentional and win.pool_stored >= c.min_stored_blocks and win.seconds > 0
         out = []

@@ -83,17 +83,6 @@ def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dic
     return values, gauges
 
 
-def tenant_series(pool: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """The GPU pool's per-tenant series of a process, one per label of its fold
-    (``TenantFolds.pool``): the tenants its exported rows name, and ``other``."""
-    out: dict[str, float] = {}
-    for label, v in pool.items():
-        out[f"{sn.KV_TENANT_STORED}{label}"] = v.get("stored", 0.0)
-        out[f"{sn.KV_TENANT_REMOVED}{label}"] = v.get("removed", 0.0)
-        out[f"{sn.KV_TENANT_REGRETTED}{label}"] = v.get("regretted", 0.0)
-    return out
-
-
 def plan_from_config(t: Tracked, ep: EngineEndpoint, cfg: EnginesConfig) -> EnginePlan:
     streams: list[StreamSpec] = []
     if ep.kv_events and cfg.kv_events:
@@ -322,8 +311,8 @@ class EngineTaps:
         gauges: dict[str, float] = {}
         if streams:
             values, gauges = stream_series(streams)
-            values.update(tenant_series(self.tenants.pool(t.key, streams)))
             t.series.add(now, values)
+            t.tenants.add(now, self.tenants.pool(t.key, streams))
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None
         if sample is not None:

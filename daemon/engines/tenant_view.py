@@ -15,6 +15,7 @@ the other would have given.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import fields
 
 from kvwatch.daemon.engines.tenants import TenantFold
 from kvwatch.daemon.model.engines import (
@@ -22,13 +23,14 @@ from kvwatch.daemon.model.engines import (
     LossTotal,
     MediumTotals,
     StreamStats,
+    TenantCounts,
     TenantRow,
     TenantsView,
     tenants_by_medium,
 )
 
 COUNTED = ("stored", "removed", "removed_young", "regretted", "regret_tokens")
-POOL = ("stored", "removed", "regretted")  # the GPU pool's counts the detectors judge
+POOL = tuple(f.name for f in fields(TenantCounts))  # the GPU pool's counts the detectors judge
 Key = tuple[str, ...]
 
 
@@ -44,14 +46,15 @@ class TenantFolds:
             fold = self._folds[key] = TenantFold(self.top_k)
         return fold
 
-    def pool(self, key: str, streams: Iterable[StreamStats]) -> dict[str, dict[str, float]]:
+    def pool(self, key: str, streams: Iterable[StreamStats]) -> dict[str, TenantCounts]:
         """The process's GPU pool by label: its streams' per-tenant ``POOL`` counts, summed and folded."""
         by_medium = tenants_by_medium(streams)
         if not by_medium:
             return {}
         gpu = by_medium.get("GPU", {})
         counters = {name: {f: float(getattr(m, f)) for f in POOL} for name, m in gpu.items()}
-        return self.fold_of(key).fold(counters, {}, _activity(by_medium))
+        folded = self.fold_of(key).fold(counters, {}, _activity(by_medium))
+        return {label: TenantCounts(**{f: v.get(f, 0.0) for f in POOL}) for label, v in folded.items()}
 
     def view(
         self, key: str, engine: EngineView | None, losses: Mapping[tuple[str, str, str], LossTotal]

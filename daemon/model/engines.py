@@ -110,6 +110,15 @@ class TenantRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantCounts:
+    """A tenant's cumulative counts in a process's GPU pool (its logical blocks), as the detectors judge them."""
+
+    stored: float = 0.0
+    removed: float = 0.0
+    regretted: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class TenantsView:
     """An engine's tenants, folded to its top-K labels (``tenant_view.py``)."""
 

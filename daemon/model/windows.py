@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.engines import AuditRow, TenantCounts
 from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.probes.records import HookStatus
 
@@ -20,6 +21,7 @@ class ProcessWindow:
     psi_some_avg10: float | None = None  # the process's memory cgroup, where known
     environ: Mapping[str, str] = field(default_factory=dict)
     audit: Sequence[AuditRow] = ()  # the KV metric-truth audit's pairs (engine processes)
+    tenants: History[TenantCounts] = field(default_factory=lambda: History(TenantCounts))  # GPU pool by tenant
 
 
 @dataclass(frozen=True, slots=True)

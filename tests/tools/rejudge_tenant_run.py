@@ -16,15 +16,16 @@ import gzip
 import json
 from pathlib import Path
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TenantThrashConfig
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
+from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 PREFIX = "kvwatch_kv_tenant_blocks_"
-SERIES = {"stored": sn.KV_TENANT_STORED, "removed": sn.KV_TENANT_REMOVED, "regretted": sn.KV_TENANT_REGRETTED}
+COUNTS = ("stored", "removed", "regretted")  # TenantCounts' fields
 
 
 def main() -> None:
@@ -36,20 +37,23 @@ def main() -> None:
     marks = {m["name"]: m["mono"] for m in json.loads((args.run / "validation.json").read_text())["marks"]}
     seen = marks["vllm_start"] if args.seen_before is None else marks["noisy_start"] - args.seen_before
     detector = TenantThrash(TenantThrashConfig(**json.loads(args.config)))
-    series, now, firing = SeriesSet(), {}, {}
+    tenants: History[TenantCounts] = History(TenantCounts)
+    now: dict[str, dict[str, float]] = {}
+    firing: dict[str, bool] = {}
     subject = Subject("engine", {"pid": "engine"})
     with gzip.open(args.run / "kvwatch_timeline.jsonl.gz", "rt") as f:
         for line in f:
             row = json.loads(line)
             for name, labels, v in row["data"]:
                 what = name[len(PREFIX) : -len("_total")] if name.startswith(PREFIX) else ""
-                if what in SERIES and labels.get("medium") == "GPU":
-                    now[SERIES[what] + labels["tenant"]] = v
+                if what in COUNTS and labels.get("medium") == "GPU":
+                    now.setdefault(labels["tenant"], {})[what] = v
             t = row["mono"]
             if t < seen:
                 continue
-            series.add(t, dict(now))
-            for fd in detector.evaluate(NodeView(t, {"engine": ProcessWindow(subject, t - seen, series)}, {})):
+            tenants.add(t, {name: TenantCounts(**got) for name, got in now.items()})
+            window = ProcessWindow(subject, t - seen, SeriesSet(), tenants=tenants)
+            for fd in detector.evaluate(NodeView(t, {"engine": window}, {})):
                 tenant = fd.subject.labels["tenant"]
                 if fd.firing != firing.get(tenant, False):
                     firing[tenant] = fd.firing

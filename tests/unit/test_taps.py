@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.discovery import Discovery
 from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, plan_from_cmdline
 from kvwatch.daemon.engines.reach import Reach, local_ipv4
-from kvwatch.daemon.engines.taps import EngineTaps, tenant_series
+from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
@@ -337,7 +336,7 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
     assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_tree_tapped") == 0.0
 
 
-def test_tenant_series_are_the_folds_labels_and_add_up() -> None:
+def test_tenant_pool_is_the_folds_labels_and_adds_up() -> None:
     """A pool with more tenants than engines.tenant_top_k: the busiest keep their series, the rest
     are other's, and the stores still add up to the pool's, over data-parallel ranks."""
     tenants = {f"salt-{i:08x}": MediumTotals(stored=i + 1, removed=i) for i in range(40)}
@@ -350,8 +349,9 @@ def test_tenant_series_are_the_folds_labels_and_add_up() -> None:
         )  # fmt: skip
 
     streams = [rank(0), rank(1)]
-    values = tenant_series(TenantFolds(EnginesConfig().tenant_top_k).pool("7@1", streams))
-    stored = {k: v for k, v in values.items() if k.startswith(sn.KV_TENANT_STORED)}
+    pool = TenantFolds(EnginesConfig().tenant_top_k).pool("7@1", streams)
+    stored = {k: v.stored for k, v in pool.items()}
     assert len(stored) == EnginesConfig().tenant_top_k + 1 and sum(stored.values()) == 2 * sum(range(1, 41))
-    assert f"{sn.KV_TENANT_STORED}salt-00000027" in stored and f"{sn.KV_TENANT_STORED}salt-00000000" not in stored
-    assert stored[f"{sn.KV_TENANT_STORED}other"] == 2 * sum(range(1, 33))
+    assert "salt-00000027" in stored and "salt-00000000" not in stored
+    assert stored["other"] == 2 * sum(range(1, 33))
+    assert sum(v.removed for v in pool.values()) == 2 * sum(range(40))

@@ -14,12 +14,14 @@ from kvwatch.daemon.config import DetectorsConfig, TenantRule, TenantThrashConfi
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.engines.stream_counts import StreamCounts
-from kvwatch.daemon.engines.taps import stream_series, tenant_series
+from kvwatch.daemon.engines.taps import stream_series
 from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.lab import wire_encode as we
 from kvwatch.daemon.lab.engine_sim_pool import BlockPool, Scheduler
+from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import SCRIPT_SPEC
@@ -40,6 +42,7 @@ class Engine:
         default_factory=lambda: StreamCounts((100_000, 100_000), 10.0, TenantNamer(RULES, b"k"))
     )
     series: SeriesSet = field(default_factory=SeriesSet)
+    tenants: History[TenantCounts] = field(default_factory=lambda: History(TenantCounts))
     folds: TenantFolds = field(default_factory=lambda: TenantFolds(8))
     config: TenantThrashConfig = CFG
     detector: TenantThrash = field(init=False)
@@ -69,10 +72,11 @@ class Engine:
             replay_requests=0, last_seq=0, last_message_at=0.0,
         )  # fmt: skip
         values, gauges = stream_series([stats])
-        values.update(tenant_series(self.folds.pool(SUBJECT.key, [stats])))
         self.series.add(self.t, values)
         self.series.set_gauges(gauges)
-        view = NodeView(self.t, {SUBJECT.key: ProcessWindow(SUBJECT, self.t, self.series)}, {})
+        self.tenants.add(self.t, self.folds.pool(SUBJECT.key, [stats]))
+        window = ProcessWindow(SUBJECT, self.t, self.series, tenants=self.tenants)
+        view = NodeView(self.t, {SUBJECT.key: window}, {})
         return {f.subject.labels["tenant"]: f for f in self.detector.evaluate(view) if f.firing}
 
 

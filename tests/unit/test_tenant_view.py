@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.engines.stream_counts import StreamCounts
@@ -121,13 +120,9 @@ class Node:
         return self.agent.tick()
 
     def detector_tenants(self) -> dict[str, float]:
-        """The detectors' input: the process's per-tenant series of GPU blocks stored, by tenant."""
+        """The detectors' input: the process's GPU blocks stored, by tenant label."""
         (t,) = self.agent.tracker.tracked()
-        return {
-            n[len(sn.KV_TENANT_STORED) :]: t.series.last(n)
-            for n in t.series.series
-            if n.startswith(sn.KV_TENANT_STORED)
-        }
+        return {name: t.tenants.last(name).stored for name in t.tenants}
 
 
 def exported(snap: Snapshot) -> set[str]:
