@@ -354,8 +354,8 @@ def render() -> str:
         "after another, 40 in 4-5 s (bench/results/uprobe_release.md). Attaching and releasing run in background "
         "threads so the probe loop never waits (`kvwatch_uprobe_releases_pending`).",
         "* The daemon's idle RSS (bench/results/footprint.md) is mostly code it loads: the interpreter and its "
-        "libraries before bcc ~52 MiB (pydantic ~13, structlog ~9 with the asyncio and ssl it imports (`kvwatch run` keeps rich out: daemon/entry.py), "
-        "zmq ~2), bcc ~13 MiB that stays of libLLVM/libclang after the compiler's pages and heap are given back "
+        "libraries before bcc ~42 MiB (structlog ~9 with the asyncio and ssl it imports, zmq ~2; the configuration is "
+        "read by msgspec, not pydantic, and `kvwatch run` keeps rich out: daemon/entry.py), bcc ~13 MiB that stays of libLLVM/libclang after the compiler's pages and heap are given back "
         "(relocated data that cannot be dropped), bcc's loaded modules ~10 MiB of heap. numpy (~15 MiB with its "
         "BLAS library) is imported only when a KV hash memory first seals, i.e. under an engine's KV event "
         "stream; the memories' growth under load is bounded by their capacities, and all streams' together by "
