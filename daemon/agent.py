@@ -330,6 +330,8 @@ class Agent:
             environ=t.proc.environ,
             audit=self.audit.rows.get(t.key, ()),
             tenants=t.tenants,
+            transfers=t.transfers,
+            in_flight=t.in_flight,
         )
 
     def _detect(self, now: float) -> list[Finding]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.transfer import TransferProcessState
 from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.snapshot import (
     AlertsView,
@@ -29,6 +30,7 @@ from kvwatch.daemon.model.snapshot import (
     TierView,
     TransferView,
 )
+from kvwatch.daemon.model.transfers import NIXL, TransferCounts, effective_bandwidth
 from kvwatch.daemon.tracker import Tracked, process_labels
 
 RATE_WINDOW = 5.0
@@ -168,11 +170,10 @@ def tier_hit_ratios(s: SeriesSet, tiers: Iterable[TierReading], window: float) -
     return out
 
 
-def transfer_view(st: TransferProcessState | None, s: SeriesSet) -> TransferView | None:
+def transfer_view(st: TransferProcessState | None, transfers: History[TransferCounts]) -> TransferView | None:
     if st is None:
         return None
     c = st.counters
-    busy = s.delta(sn.NIXL_DURATION_SECONDS, RATE_WINDOW)
     return TransferView(
         xfers=dict(c.xfers) if c else {},
         registered_bytes=c.registered_bytes if c else 0,
@@ -182,7 +183,7 @@ def transfer_view(st: TransferProcessState | None, s: SeriesSet) -> TransferView
         released_incomplete=c.released_incomplete if c else 0,
         symbols_attached=st.symbols_attached,
         libraries=st.libraries,
-        effective_bytes_per_second=s.delta(sn.NIXL_BYTES, RATE_WINDOW) / busy if busy > 0 else 0.0,
+        effective_bytes_per_second=effective_bandwidth(transfers.delta(NIXL, RATE_WINDOW)[0]),
     )
 
 
@@ -202,7 +203,7 @@ def _process_view(t: Tracked, parts: ProcessParts) -> ProcessView:
         rates=process_rates(t.series),
         gpu_used_bytes=parts.gpu_used.get(t.pid),
         cuda=parts.cuda(t.pid),
-        transfers=transfer_view(parts.transfers(t.pid), t.series),
+        transfers=transfer_view(parts.transfers(t.pid), t.transfers),
         engine=engine,
         kv_losses=parts.losses.get(t.key, {}),
         kv_audit=parts.audit.get(t.key, ()),

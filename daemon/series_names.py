@@ -103,16 +103,6 @@ UPROBE_COST_RATIO = _declare(
 
 # --- KV transfers (families.transfer) -----------------------------------------------------------------------
 _XFER = "families.transfer"
-_XFER_READERS = ("detectors.transfer_collapse",)
-NIXL_POSTS = _declare("nixl_posts", COUNTER, _XFER, _XFER_READERS, "NIXL transfer requests posted")
-NIXL_COMPLETED = _declare("nixl_completed", COUNTER, _XFER, _XFER_READERS, "NIXL transfers completed")
-NIXL_BYTES = _declare("nixl_bytes", COUNTER, _XFER, (*_XFER_READERS, "publish"), "bytes of completed transfers")
-NIXL_DURATION_SECONDS = _declare(
-    "nixl_duration_seconds", COUNTER, _XFER, (*_XFER_READERS, "publish"), "summed per-transfer completion times"
-)
-NIXL_IN_FLIGHT = _declare("nixl_in_flight", GAUGE, _XFER, _XFER_READERS, "transfers posted, not completed")
-NIXL_IN_FLIGHT_BYTES = _declare("nixl_in_flight_bytes", GAUGE, _XFER, _XFER_READERS, "their bytes")
-NIXL_IN_FLIGHT_SECONDS = _declare("nixl_in_flight_seconds", GAUGE, _XFER, _XFER_READERS, "their time so far")
 XFER_BYTES = _declare("xfer_bytes", COUNTER, _XFER, ("publish",), "bytes moved by every transfer library")
 
 # --- the engine's KV event stream (engines.taps): logical counts per medium, "+ medium" ---------------------

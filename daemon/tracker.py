@@ -20,6 +20,7 @@ from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.transfers import NONE_IN_FLIGHT, TransferCounts, TransfersInFlight
 
 log = structlog.get_logger("kvwatch.tracker")
 
@@ -43,9 +44,12 @@ class Tracked:
     exited_at: float | None = None
     in_kernel: bool = False
     tenants: History[TenantCounts] = field(init=False)  # its GPU pool by tenant label (the taps')
+    transfers: History[TransferCounts] = field(init=False)  # by library (the transfer family's)
+    in_flight: TransfersInFlight = NONE_IN_FLIGHT  # its transfers not completed yet
 
     def __post_init__(self) -> None:
         self.tenants = History(TenantCounts, self.series.horizon)
+        self.transfers = History(TransferCounts, self.series.horizon)
 
     @property
     def key(self) -> str:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TransferCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
+from kvwatch.daemon.model.transfers import NIXL, effective_bandwidth
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVTransferBandwidthCollapse"
@@ -60,7 +60,6 @@ class _State:
 
 class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
     name = ALERT
-    needs = (sn.NIXL_POSTS,)
 
     def __init__(self, config: TransferCollapseConfig, link_bytes_per_second: float = 0.0) -> None:
         super().__init__(config)
@@ -71,22 +70,24 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
         h = c.baseline_half_life_seconds
         return _State(Baseline(h), Baseline(h), Baseline(h), Hysteresis(c.confirm_windows, c.clear_windows))
 
+    def applies(self, p: ProcessWindow) -> bool:
+        return NIXL in p.transfers
+
     def measure(self, p: ProcessWindow) -> dict[str, float]:
         """Over the window: transfers completed, plus those still in flight (their bytes over
         their time so far — an upper bound of their bandwidth, so never an alarm of its own)."""
         w = self.config.window_seconds
-        s = p.series
-        nbytes = s.delta(sn.NIXL_BYTES, w) + s.gauge(sn.NIXL_IN_FLIGHT_BYTES)
-        busy = s.delta(sn.NIXL_DURATION_SECONDS, w) + s.gauge(sn.NIXL_IN_FLIGHT_SECONDS)
-        done = s.delta(sn.NIXL_COMPLETED, w)
+        done, dt = p.transfers.delta(NIXL, w)
+        flying = p.in_flight
+        busy = done.seconds + flying.seconds
         out = {
-            "effective_bytes_per_second": nbytes / busy if busy > 0 else 0.0,
-            "transfers_completed": done,
-            "transfers_in_flight": s.gauge(sn.NIXL_IN_FLIGHT),
-            "posts_per_second": s.rate(sn.NIXL_POSTS, w),
+            "effective_bytes_per_second": effective_bandwidth(done, flying),
+            "transfers_completed": done.completed,
+            "transfers_in_flight": flying.transfers,
+            "posts_per_second": done.posts / dt if dt > 0 else 0.0,
             "concurrency": busy / w,
             "transfer_seconds": busy,
-            "bytes": nbytes,
+            "bytes": done.bytes + flying.bytes,
         }
         if self.link > 0:
             out["link_utilization"] = out["effective_bytes_per_second"] / self.link

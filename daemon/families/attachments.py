@@ -205,6 +205,9 @@ class FamilyTracker:
         """Point-in-time values of a process for the detectors (override)."""
         return {}
 
+    def observe(self, t: Tracked, now: float) -> None:
+        """Typed observations of the process for its histories, where the family has any (override)."""
+
     def symbols_attached(self, pid: int) -> int:
         att = self.probes.attachments.get(pid)
         return att.attached if att is not None and pid in self.attached else 0

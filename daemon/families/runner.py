@@ -117,6 +117,7 @@ class UprobeFamily(Generic[P, T]):
                 if calls is not None:
                     values[f"{sn.UPROBE_CALLS}{self.name}"] = calls
                 t.series.add(now, values)
+                self.tracker.observe(t, now)
                 gauges = self.tracker.gauges(t.pid)
                 gauges[f"{sn.UPROBES_SHED}{self.name}"] = float(self.tracker.is_shed(t.pid))
                 gauges[f"{sn.UPROBE_SYMBOLS}{self.name}"] = float(self.tracker.symbols_attached(t.pid))

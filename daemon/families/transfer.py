@@ -1,6 +1,7 @@
-"""Transfer probes for the watched processes, and their counters as per-process series.
+"""Transfer probes for the watched processes, and their counters: each process's NIXL transfers
+as typed observations (``observe``), the bytes every library moved as a series.
 
-A new peer's first seconds are left out of the series the detector reads: when a
+A new peer's first seconds are left out of the transfers the detector reads: when a
 peer (a UCX endpoint) has been seen for ``peer_grace_seconds``, its counters at
 that moment become its offset, and only what it does afterwards counts.
 """
@@ -17,6 +18,8 @@ from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
+from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.records import TransferDone
 from kvwatch.probes.transfer import InFlight, ProcessTransfers, TransferProbes
 
@@ -97,33 +100,37 @@ class TransferTracker(FamilyTracker):
         if pid not in self.attached:
             return None
         c = self._counters.get(pid)
-        out = {
-            sn.NIXL_BYTES: 0.0,
-            sn.NIXL_DURATION_SECONDS: 0.0,
-            sn.NIXL_COMPLETED: 0.0,
-            sn.NIXL_POSTS: 0.0,
-            sn.XFER_BYTES: 0.0,
-        }
-        if c is None:
-            return out
         # every byte moved, any library (UCX puts beneath a NIXL post are the post's bytes)
-        out[sn.XFER_BYTES] = float(sum(x.bytes for x in c.xfers.values()))
-        out[sn.NIXL_POSTS] = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
+        return {sn.XFER_BYTES: float(sum(x.bytes for x in c.xfers.values())) if c is not None else 0.0}
+
+    def observe(self, t: Tracked, now: float) -> None:
+        """The process's NIXL transfers: cumulative counts into its history, and those in flight."""
+        counts = self._counts(t.pid)
+        if counts is not None:
+            t.transfers.add(now, {NIXL: counts})
+            t.in_flight = self._in_flight_of(t.pid)
+
+    def _counts(self, pid: int) -> TransferCounts | None:
+        if pid not in self.attached:
+            return None
+        c = self._counters.get(pid)
+        if c is None:
+            return TransferCounts()
+        nbytes = seconds = completed = 0.0
         now_ns = time.monotonic_ns()
         for p in c.peers:
             if p.lib != "nixl" or now_ns - p.first_ns < self.peer_grace_ns:
                 continue  # a new peer: connection set-up and warm-up are not its bandwidth
             key = (pid, p.lib, p.peer)
             base = self._offsets.setdefault(key, (p.bytes, p.duration_ns, p.completed))
-            out[sn.NIXL_BYTES] += p.bytes - base[0]
-            out[sn.NIXL_DURATION_SECONDS] += (p.duration_ns - base[1]) / 1e9
-            out[sn.NIXL_COMPLETED] += p.completed - base[2]
-        return out
+            nbytes += p.bytes - base[0]
+            seconds += (p.duration_ns - base[1]) / 1e9
+            completed += p.completed - base[2]
+        posts = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
+        return TransferCounts(posts=posts, completed=completed, bytes=nbytes, seconds=seconds)
 
-    def gauges(self, pid: int) -> dict[str, float]:
-        """Transfers posted and not done yet, to known (mature) peers: how many, how many bytes,
-        and how long they have been in flight so far. Slow transfers complete rarely; these
-        are the evidence that they are slow before they complete."""
+    def _in_flight_of(self, pid: int) -> TransfersInFlight:
+        """Transfers to known (mature) peers posted and not done yet."""
         now_ns = time.monotonic_ns()
         mature = {
             p.peer
@@ -131,11 +138,11 @@ class TransferTracker(FamilyTracker):
             if now_ns - p.first_ns >= self.peer_grace_ns
         }
         waiting = [f for f in self._in_flight.get(pid, ()) if f.peer in mature]
-        return {
-            sn.NIXL_IN_FLIGHT: float(len(waiting)),
-            sn.NIXL_IN_FLIGHT_BYTES: float(sum(f.bytes for f in waiting)),
-            sn.NIXL_IN_FLIGHT_SECONDS: sum(max(now_ns - f.start_ns, 0) for f in waiting) / 1e9,
-        }
+        return TransfersInFlight(
+            transfers=float(len(waiting)),
+            bytes=float(sum(f.bytes for f in waiting)),
+            seconds=sum(max(now_ns - f.start_ns, 0) for f in waiting) / 1e9,
+        )
 
     def state(self, pid: int) -> TransferProcessState | None:
         att = self.probes.attachments.get(pid)

@@ -9,6 +9,7 @@ from kvwatch.daemon.model.engines import AuditRow, TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.transfers import NONE_IN_FLIGHT, TransferCounts, TransfersInFlight
 from kvwatch.probes.records import HookStatus
 
 
@@ -22,6 +23,8 @@ class ProcessWindow:
     environ: Mapping[str, str] = field(default_factory=dict)
     audit: Sequence[AuditRow] = ()  # the KV metric-truth audit's pairs (engine processes)
     tenants: History[TenantCounts] = field(default_factory=lambda: History(TenantCounts))  # GPU pool by tenant
+    transfers: History[TransferCounts] = field(default_factory=lambda: History(TransferCounts))  # by library
+    in_flight: TransfersInFlight = NONE_IN_FLIGHT  # the transfers not completed yet
 
 
 @dataclass(frozen=True, slots=True)

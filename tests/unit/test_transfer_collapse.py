@@ -1,4 +1,4 @@
-"""KVTransferBandwidthCollapse and the bandwidth arithmetic, on synthetic series."""
+"""KVTransferBandwidthCollapse and the bandwidth arithmetic, on synthetic transfers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from kvwatch.daemon.detectors.transfer_collapse import ALERT, TransferCollapse
 from kvwatch.daemon.families.transfer import link_bytes_per_second
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 MB = 1e6
@@ -21,18 +23,23 @@ class Sim:
 
     def __init__(self, config: TransferCollapseConfig, link: float = 0.0) -> None:
         self.det = TransferCollapse(config, link)
-        self.series = SeriesSet()
+        self.transfers: History[TransferCounts] = History(TransferCounts)
+        self.in_flight = TransfersInFlight()
         self.t = 0.0
-        self.tot = {"nixl_bytes": 0.0, "nixl_duration_seconds": 0.0, "nixl_completed": 0.0, "nixl_posts": 0.0}
+        self.tot = TransferCounts()
 
     def step(self, per_second: float, seconds_each: float, size: float = 4 * MB, posts: float | None = None) -> object:
         self.t += 1
-        self.tot["nixl_posts"] += per_second if posts is None else posts
-        self.tot["nixl_completed"] += per_second
-        self.tot["nixl_bytes"] += per_second * size
-        self.tot["nixl_duration_seconds"] += per_second * seconds_each
-        self.series.add(self.t, dict(self.tot))
-        pw = ProcessWindow(Subject("p", {"pid": "7"}), 1000 + self.t, self.series)
+        self.tot = TransferCounts(
+            posts=self.tot.posts + (per_second if posts is None else posts),
+            completed=self.tot.completed + per_second,
+            bytes=self.tot.bytes + per_second * size,
+            seconds=self.tot.seconds + per_second * seconds_each,
+        )
+        self.transfers.add(self.t, {NIXL: self.tot})
+        pw = ProcessWindow(
+            Subject("p", {"pid": "7"}), 1000 + self.t, SeriesSet(), transfers=self.transfers, in_flight=self.in_flight
+        )
         (f,) = self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))
         return f
 
@@ -95,7 +102,7 @@ def test_in_flight_transfers_are_evidence_of_slowness() -> None:
     for _ in range(15):
         s.step(20, 0.004)
     # the link stalls: 1 completion a second, 40 transfers stuck for ~2 s each
-    s.series.set_gauges({"nixl_in_flight": 40, "nixl_in_flight_bytes": 40 * 4 * MB, "nixl_in_flight_seconds": 80.0})
+    s.in_flight = TransfersInFlight(transfers=40, bytes=40 * 4 * MB, seconds=80.0)
     states = [s.step(1, 2.0).firing for _ in range(4)]  # type: ignore[attr-defined]
     assert any(states)
     f = s.step(1, 2.0)
@@ -115,13 +122,7 @@ def test_evidence_floor_and_warmup() -> None:
 
 
 def stalled(s: Sim, in_flight: int, age: float) -> None:
-    s.series.set_gauges(
-        {
-            "nixl_in_flight": in_flight,
-            "nixl_in_flight_bytes": in_flight * 4 * MB,
-            "nixl_in_flight_seconds": in_flight * age,
-        }
-    )
+    s.in_flight = TransfersInFlight(transfers=in_flight, bytes=in_flight * 4 * MB, seconds=in_flight * age)
 
 
 def test_a_stall_with_few_transfers_is_judged_by_their_time() -> None:

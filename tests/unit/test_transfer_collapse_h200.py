@@ -20,7 +20,9 @@ from kvwatch.daemon.config import TransferCollapseConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "transfers" / "vllm-0.26.0-pd-h200.json.gz"
@@ -41,30 +43,26 @@ def replay(data: dict[str, Any], phase: float = 0.0, **settings: Any) -> list[tu
     ends = [e for e, _, _ in done]
     cum_seconds = [0.0, *accumulate(d for _, d, _ in done)]
     cum_bytes = [0, *accumulate(b for _, _, b in done)]
-    series, firing, spans = SeriesSet(), False, []
+    transfers: History[TransferCounts] = History(TransferCounts)
+    firing, spans = False, []
     t, last = phase, data["phases"]["lowdemand_end"]
     while t <= last:
         t += 1.0
         n = bisect.bisect_right(ends, t)
-        series.add(
-            t,
-            {
-                "nixl_posts": float(bisect.bisect_right(starts, t)),
-                "nixl_completed": float(n),
-                "nixl_bytes": float(cum_bytes[n]),
-                "nixl_duration_seconds": cum_seconds[n],
-            },
+        counts = TransferCounts(
+            posts=float(bisect.bisect_right(starts, t)),
+            completed=float(n),
+            bytes=float(cum_bytes[n]),
+            seconds=cum_seconds[n],
         )
+        transfers.add(t, {NIXL: counts})
         flying = [(s, b) for s, d, b in xs if s <= t < s + d]
-        series.set_gauges(
-            {
-                "nixl_in_flight": float(len(flying)),
-                "nixl_in_flight_bytes": float(sum(b for _, b in flying)),
-                "nixl_in_flight_seconds": sum(t - s for s, _ in flying),
-            }
+        in_flight = TransfersInFlight(
+            transfers=float(len(flying)), bytes=float(sum(b for _, b in flying)), seconds=sum(t - s for s, _ in flying)
         )
         age = t + data["decode_discovered_before_start_s"]
-        pw = ProcessWindow(Subject("decode", {"pid": "1335"}), age, series)
+        subject = Subject("decode", {"pid": "1335"})
+        pw = ProcessWindow(subject, age, SeriesSet(), transfers=transfers, in_flight=in_flight)
         (f,) = det.evaluate(NodeView(now=t, processes={"decode": pw}, tiers={}))
         if f.firing and not firing:
             spans.append((t, None))
