@@ -54,13 +54,6 @@ def cumulative_buckets(c: XferCounters) -> list[tuple[str, float]]:
     return buckets
 
 
-def link_utilization(effective_bytes_per_second: float, link_bytes_per_second: float) -> float | None:
-    """Effective over configured link bandwidth; None when the link bandwidth is unknown (0)."""
-    if link_bytes_per_second > 0:
-        return effective_bytes_per_second / link_bytes_per_second
-    return None
-
-
 def cache_resets(streams: Iterable[StreamStats]) -> int:
     """AllBlocksCleared events over the data-parallel ranks' streams."""
     return sum(x.cleared for x in streams)

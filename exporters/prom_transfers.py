@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvwatch.daemon.model.snapshot import Snapshot, TransferView
+from kvwatch.daemon.model.transfers import link_utilization
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
-from kvwatch.exporters.prom_aggregates import completions_by_lib, cumulative_buckets, link_utilization, xfer_ok_calls
+from kvwatch.exporters.prom_aggregates import completions_by_lib, cumulative_buckets, xfer_ok_calls
 
 
 def transfer_families(s: Snapshot) -> Iterator[Metric]:

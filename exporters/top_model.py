@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvwatch.daemon.model.transfers import link_utilization
+
 if TYPE_CHECKING:
     from kvwatch.daemon.model.snapshot import ProcessView, Snapshot
 
@@ -138,7 +140,7 @@ def _row(p: ProcessView, snap: Snapshot, alerts: dict[str, list[str]]) -> TopRow
         stall_ms_per_s=1000.0 * (rates.direct_reclaim_seconds + rates.memcg_reclaim_seconds),
         xfer_bps=rates.xfer_bytes,
         xfer_effective_bps=eff,
-        link_pct=100.0 * eff / snap.link_bytes_per_second if snap.link_bytes_per_second > 0 and eff > 0 else None,
+        link_pct=_percent(link_utilization(eff, snap.link_bytes_per_second)) if eff > 0 else None,
         kv_removed_per_s=sum(removed) if removed else None,
         regret_pct=100.0 * max(p.engine.regret_ratio.values()) if p.engine and p.engine.regret_ratio else None,
         **_lost(p),
@@ -257,3 +259,7 @@ def encode(frame: TopFrame) -> bytes:
 def decode(data: bytes) -> TopFrame:
     """Raises ``msgspec.ValidationError``/``DecodeError`` on anything that is not a frame."""
     return _DECODER.decode(data)
+
+
+def _percent(share: float | None) -> float | None:
+    return None if share is None else 100.0 * share

@@ -21,7 +21,7 @@ from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
-from kvwatch.daemon.model.transfers import NIXL, effective_bandwidth
+from kvwatch.daemon.model.transfers import NIXL, effective_bandwidth, link_utilization
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVTransferBandwidthCollapse"
@@ -89,8 +89,9 @@ class TransferCollapse(ProcessDetector[TransferCollapseConfig, _State]):
             "transfer_seconds": busy,
             "bytes": done.bytes + flying.bytes,
         }
-        if self.link > 0:
-            out["link_utilization"] = out["effective_bytes_per_second"] / self.link
+        share = link_utilization(out["effective_bytes_per_second"], self.link)
+        if share is not None:
+            out["link_utilization"] = share
         return out
 
     def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:

@@ -3,7 +3,8 @@
 ``TransferCounts`` are cumulative (kept in the process's ``History`` under the library's name,
 ``NIXL``); ``TransfersInFlight`` is the moment's. The effective bandwidth is defined once here,
 for the detector (over its window, with the transfers still in flight) and the snapshot (over its
-rate window, completed transfers only).
+rate window, completed transfers only), and so is its share of the link (for the detector, the
+Prometheus exposition and `kvwatch top`).
 """
 
 from __future__ import annotations
@@ -45,3 +46,10 @@ def effective_bandwidth(done: TransferCounts, in_flight: TransfersInFlight = NON
     upper bound of their bandwidth. 0 when nothing was busy."""
     busy = done.seconds + in_flight.seconds
     return (done.bytes + in_flight.bytes) / busy if busy > 0 else 0.0
+
+
+def link_utilization(effective_bytes_per_second: float, link_bytes_per_second: float) -> float | None:
+    """Effective over the link's bandwidth; None when the link's bandwidth is unknown (0)."""
+    if link_bytes_per_second > 0:
+        return effective_bytes_per_second / link_bytes_per_second
+    return None

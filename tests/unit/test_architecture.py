@@ -95,6 +95,7 @@ def test_exporters_read_snapshots_and_records_only() -> None:
     allowed = (
         "kvwatch.exporters",
         "kvwatch.daemon.model.snapshot",
+        "kvwatch.daemon.model.transfers",  # the link's share, defined once for the detector and exporters
         "kvwatch.daemon.config",  # listen addresses, the Alertmanager section
         *RECORDS,
     )

@@ -8,7 +8,6 @@ from kvwatch.daemon.detectors.registry import alert_names, build_detectors, last
 from kvwatch.exporters.prom_aggregates import (
     completions_by_lib,
     cumulative_buckets,
-    link_utilization,
     snapshot_age,
     xfer_ok_calls,
 )
@@ -45,11 +44,6 @@ def test_cumulative_buckets_end_with_every_completion() -> None:
     assert [n for _, n in buckets[:3]] == [2, 2, 5]
     assert buckets[-2][1] == 5 and buckets[-1] == ("+Inf", 6)
     assert buckets[0][0] == f"{BUCKET_BOUNDS[0]:.9g}"
-
-
-def test_link_utilization_needs_a_known_link() -> None:
-    assert link_utilization(5e9, 50e9) == 0.1
-    assert link_utilization(5e9, 0.0) is None
 
 
 def test_every_alert_the_detectors_raise_is_counted_from_zero() -> None:
