@@ -107,7 +107,6 @@ XFER_BYTES = _declare("xfer_bytes", COUNTER, _XFER, ("publish",), "bytes moved b
 
 # --- the engine's KV event stream (engines.taps): logical counts per medium, "+ medium" ---------------------
 _TAPS = "engines.taps"
-_THRASH = ("detectors.tenant_thrash",)
 KV_STORED = _declare(
     "kv_stored_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "blocks stored (the reference group's)"
 )
@@ -141,7 +140,7 @@ KV_CLEARED = _declare(
     "kv_cleared",
     COUNTER,
     _TAPS,
-    ("detectors.eviction_burst", "detectors.prefix_cache", *_THRASH),
+    ("detectors.base",),  # cleared_on_purpose, for the KV detectors
     "AllBlocksCleared events",
 )
 KV_BATCHES_LOST = _declare("kv_batches_lost", COUNTER, _TAPS, ("engines.audit",), "batches missed and not replayed")
@@ -192,17 +191,17 @@ ENGINE_SLEEPING = _declare(
     "engine_sleeping",
     GAUGE,
     _TAPS,
-    (*_BURST, "detectors.prefix_cache", "detectors.reuse_collapse"),
+    ("detectors.base", "detectors.reuse_collapse"),
     "1 while the engine sleeps (its KV pool discarded on purpose)",
 )
 ENGINE_TREE_TAPPED = _declare(
     "engine_tree_tapped", GAUGE, _TAPS, _BURST, "1: the process or an ancestor has engine taps"
 )
-FAMILY_COPY_D2H_BYTES = _declare(
-    "family_copy_d2h_bytes", COUNTER, _TAPS, ("engines.audit",), "device-to-host copies of the engine's processes"
+ENGINE_TREE_COPY_D2H_BYTES = _declare(
+    "engine_tree_copy_d2h_bytes", COUNTER, _TAPS, ("engines.audit",), "device-to-host copies of the engine's processes"
 )
-FAMILY_COPY_H2D_BYTES = _declare(
-    "family_copy_h2d_bytes", COUNTER, _TAPS, ("engines.audit",), "host-to-device copies of the engine's processes"
+ENGINE_TREE_COPY_H2D_BYTES = _declare(
+    "engine_tree_copy_h2d_bytes", COUNTER, _TAPS, ("engines.audit",), "host-to-device copies of the engine's processes"
 )
 
 # --- the KV loss ledger (engines.losses): "+ tier:cause" ---------------------------------------------------------

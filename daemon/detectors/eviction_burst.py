@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EvictionBurstConfig
-from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
@@ -239,7 +239,7 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
         c = self.config
         srcs = sources(p.series)
         s = p.series
-        if s.delta(sn.KV_CLEARED, max(c.window_seconds, 1.0)) > 0 or s.gauge(sn.ENGINE_SLEEPING) >= 1:
+        if cleared_on_purpose(s, max(c.window_seconds, 1.0)):
             st.quiet_until = now + c.quiet_after_reset_seconds
             st.learning_since = None
         quiet = now < st.quiet_until

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
-from kvwatch.daemon.detectors.base import Baseline, Hysteresis
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
@@ -104,7 +104,7 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
         ratio = hits / queried if queried > 0 else 0.0
         share = restored / stored if stored > 0 else 0.0
         evicted_first = share < c.recur_fraction and regretted >= c.recur_fraction * stored > 0
-        intentional = s.delta(sn.KV_CLEARED, w) > 0 or s.gauge(sn.ENGINE_SLEEPING) >= 1
+        intentional = cleared_on_purpose(s, w)
         judged = p.age >= c.warmup_seconds and not intentional and not evicted_first
         # "shares nothing" describes the workload: only where missing is the engine's normal, not a
         # drop from what it hit before (a flood of unique prompts, a workload that changed)

@@ -36,9 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import TenantThrashConfig
-from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
+from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.engines import TenantCounts
@@ -136,7 +135,7 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
     def judge_all(self, key: str, st: _State, p: ProcessWindow, now: float) -> list[Finding]:
         c = self.config
         win = _window(p.tenants, c.window_seconds)
-        intentional = p.series.delta(sn.KV_CLEARED, c.window_seconds) > 0
+        intentional = cleared_on_purpose(p.series, c.window_seconds)
         measured = not intentional and win.pool_stored >= c.min_stored_blocks and win.seconds > 0
         out = []
         for name in sorted((win.stored.keys() | st.victims.keys()) - NEVER):

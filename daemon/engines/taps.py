@@ -299,7 +299,7 @@ class EngineTaps:
         for t in tracked:  # the copies of the engine's processes, summed on the tapped one (the audit's)
             if t.key in copies:
                 d2h, h2d, probed, shed = copies[t.key]
-                t.series.add(now, {sn.FAMILY_COPY_D2H_BYTES: d2h, sn.FAMILY_COPY_H2D_BYTES: h2d})
+                t.series.add(now, {sn.ENGINE_TREE_COPY_D2H_BYTES: d2h, sn.ENGINE_TREE_COPY_H2D_BYTES: h2d})
                 self.copy_probes[t.key] = probed > 0 and shed == 0
 
     def _add_owner_series(self, t: Tracked, now: float) -> dict[str, float]:

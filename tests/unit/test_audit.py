@@ -49,8 +49,8 @@ def feed(
         blocks = int(blocks_per_second * t)
         values = {
             "kv_physical_stored_blocks:CPU": float(blocks),
-            "family_copy_d2h_bytes": blocks * REAL_BLOCK_BYTES * copies_share,
-            "family_copy_h2d_bytes": 0.0,
+            "engine_tree_copy_d2h_bytes": blocks * REAL_BLOCK_BYTES * copies_share,
+            "engine_tree_copy_h2d_bytes": 0.0,
             "kv_batches_lost": float(lost_at is not None and t >= lost_at),
         }
         if t % scrape_every == 0:
