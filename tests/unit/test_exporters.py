@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import replace
@@ -49,6 +51,7 @@ from kvwatch.daemon.model.snapshot import (
     TierView,
     TransferView,
 )
+from kvwatch.exporters.http_conns import ConnectionStats, ConnectionTable
 from kvwatch.exporters.prometheus import SnapshotCollector, build_registry
 from kvwatch.probes.records import ApiCounters, XferCounters, bucket_of
 
@@ -68,6 +71,7 @@ TENANTS = TenantsView(
     overflow=0,
 )
 GOLDEN = Path(__file__).parent.parent / "fixtures" / "golden_metrics.txt"
+METRICS_DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
 SQUEEZER_POD = "8d4e1f2a-1b2c-4d5e-8f90-123456789abc"
 SQUEEZER = (
     "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod8d4e1f2a_1b2c_4d5e_8f90_123456789abc.slice"
@@ -398,6 +402,30 @@ def test_golden_metrics() -> None:
     if os.environ.get("KVWATCH_REGEN_GOLDEN"):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text()
+
+
+def documented_families(text: str) -> set[str]:
+    """Every family docs/metrics.md names in backticks: a name's trailing ``{labels}`` dropped, its
+    ``{a,b}`` alternatives expanded; mentions of a prefix (``kvwatch_engine_*``) are not families."""
+    out = set()
+    for m in re.finditer(r"`(kvwatch_[^`\s]*)`", text):
+        name = re.sub(r"\{[^{}]*\}$", "", m.group(1))
+        if name.endswith(("_", "*")):
+            continue
+        parts = [p[1:-1].split(",") if p.startswith("{") else [p] for p in re.split(r"(\{[^}]*\})", name)]
+        out |= {re.sub(r"_total$", "", "".join(x)) for x in itertools.product(*parts)}
+    return out
+
+
+def test_every_exported_family_is_documented_and_every_documented_one_exported() -> None:
+    """docs/metrics.md against what the collectors export (the golden scrape's snapshot, and the HTTP
+    server's own connections): a family added, renamed or dropped in one and not the other fails."""
+    exported = {f.name for f in text_string_to_metric_families(render(fixture_snapshot()))}
+    exported |= {f.name for f in ConnectionStats(ConnectionTable(4, 1.0, lambda: 0.0)).collect()}
+    documented = documented_families(METRICS_DOC.read_text())
+    assert len(exported) > 100
+    assert sorted(exported - documented) == []
+    assert sorted(documented - exported) == []
 
 
 def test_contract_names_present() -> None:
