@@ -332,6 +332,7 @@ class Agent:
             tenants=t.tenants,
             transfers=t.transfers,
             in_flight=t.in_flight,
+            allocator=t.allocator,
         )
 
     def _detect(self, now: float) -> list[Finding]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.transfer import TransferProcessState
+from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
 from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
@@ -92,18 +93,11 @@ def _keyed_rates(s: SeriesSet, prefix: str) -> dict[str, float]:
     return {n[len(prefix) :]: v for n, v in s.rates(names, RATE_WINDOW).items()}
 
 
-def process_rates(s: SeriesSet) -> ProcessRates:
-    fixed = (
-        sn.PAGE_FREE_PAGES,
-        sn.DIRECT_RECLAIM_SECONDS,
-        sn.MEMCG_RECLAIM_SECONDS,
-        sn.CUDA_ALLOC_CALLS,
-        sn.CUDA_FREE_CALLS,
-        sn.CUDA_ALLOC_BYTES,
-        sn.CUDA_FREED_BYTES,
-        sn.XFER_BYTES,
-    )
+def process_rates(s: SeriesSet, allocator: History[AllocatorCounts]) -> ProcessRates:
+    fixed = (sn.PAGE_FREE_PAGES, sn.DIRECT_RECLAIM_SECONDS, sn.MEMCG_RECLAIM_SECONDS, sn.XFER_BYTES)
     r = s.rates(fixed, RATE_WINDOW)
+    cuda, dt = allocator.delta(CUDA, RATE_WINDOW)
+    per_second = 1.0 / dt if dt > 0 else 0.0
     lost: dict[tuple[str, str], float] = {}
     for key, v in _keyed_rates(s, sn.KV_LOST_BYTES).items():  # "tier:cause"
         tier, sep, cause = key.partition(":")
@@ -113,10 +107,10 @@ def process_rates(s: SeriesSet) -> ProcessRates:
         page_free_pages=r[sn.PAGE_FREE_PAGES],
         direct_reclaim_seconds=r[sn.DIRECT_RECLAIM_SECONDS],
         memcg_reclaim_seconds=r[sn.MEMCG_RECLAIM_SECONDS],
-        cuda_alloc_calls=r[sn.CUDA_ALLOC_CALLS],
-        cuda_free_calls=r[sn.CUDA_FREE_CALLS],
-        cuda_alloc_bytes=r[sn.CUDA_ALLOC_BYTES],
-        cuda_freed_bytes=r[sn.CUDA_FREED_BYTES],
+        cuda_alloc_calls=cuda.alloc_calls * per_second,
+        cuda_free_calls=cuda.free_calls * per_second,
+        cuda_alloc_bytes=cuda.alloc_bytes * per_second,
+        cuda_freed_bytes=cuda.freed_bytes * per_second,
         xfer_bytes=r[sn.XFER_BYTES],
         kv_removed_blocks=_keyed_rates(s, sn.KV_REMOVED),
         kv_regretted_blocks=_keyed_rates(s, sn.KV_REGRETTED),
@@ -200,7 +194,7 @@ def _process_view(t: Tracked, parts: ProcessParts) -> ProcessView:
         source=t.proc.source,
         alive=t.exited_at is None,
         memory=memory_counters(t.series),
-        rates=process_rates(t.series),
+        rates=process_rates(t.series, t.allocator),
         gpu_used_bytes=parts.gpu_used.get(t.pid),
         cuda=parts.cuda(t.pid),
         transfers=transfer_view(parts.transfers(t.pid), t.transfers),

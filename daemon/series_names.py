@@ -63,23 +63,6 @@ RECLAIMED_BYTES = _declare(
 
 # --- CUDA (families.cuda) --------------------------------------------------------------------------------
 _CUDA = "families.cuda"
-_ALLOCATOR = ("detectors.reuse_collapse", "publish")
-CUDA_ALLOC_CALLS = _declare("cuda_alloc_calls", COUNTER, _CUDA, _ALLOCATOR, "segment allocations that succeeded")
-CUDA_FREE_CALLS = _declare("cuda_free_calls", COUNTER, _CUDA, _ALLOCATOR, "segment frees that succeeded")
-CUDA_ALLOC_BYTES = _declare("cuda_alloc_bytes", COUNTER, _CUDA, _ALLOCATOR, "bytes allocated")
-CUDA_FREED_BYTES = _declare("cuda_freed_bytes", COUNTER, _CUDA, _ALLOCATOR, "bytes freed (known sizes)")
-CUDA_ALLOC_FAILURES = _declare(
-    "cuda_alloc_failures", COUNTER, _CUDA, ("detectors.reuse_collapse",), "segment allocations that failed"
-)
-CUDA_FREES_AFTER_FAILURE = _declare(
-    "cuda_frees_after_failure", COUNTER, _CUDA, ("detectors.reuse_collapse",), "frees soon after a failure"
-)
-CUDA_CLUSTERED_FREES = _declare(
-    "cuda_clustered_frees", COUNTER, _CUDA, ("detectors.reuse_collapse",), "frees in bursts (empty_cache)"
-)
-CUDA_SEG_2M = _declare("cuda_seg_2m", COUNTER, _CUDA, ("detectors.reuse_collapse",), "2 MiB segments allocated")
-CUDA_SEG_20M = _declare("cuda_seg_20m", COUNTER, _CUDA, ("detectors.reuse_collapse",), "20 MiB segments allocated")
-CUDA_MAX_ALLOC = _declare("cuda_max_alloc", GAUGE, _CUDA, ("detectors.reuse_collapse",), "largest allocation")
 _COPY_READERS = ("detectors.eviction_burst", "engines.taps")
 CUDA_COPY_H2D_BYTES = _declare("cuda_copy_h2d_bytes", COUNTER, _CUDA, _COPY_READERS, "host-to-device bytes copied")
 CUDA_COPY_D2H_BYTES = _declare("cuda_copy_d2h_bytes", COUNTER, _CUDA, _COPY_READERS, "device-to-host bytes copied")

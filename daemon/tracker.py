@@ -17,6 +17,7 @@ import structlog
 
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
+from kvwatch.daemon.model.cuda import AllocatorCounts
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
@@ -45,11 +46,13 @@ class Tracked:
     in_kernel: bool = False
     tenants: History[TenantCounts] = field(init=False)  # its GPU pool by tenant label (the taps')
     transfers: History[TransferCounts] = field(init=False)  # by library (the transfer family's)
+    allocator: History[AllocatorCounts] = field(init=False)  # its CUDA allocator (the CUDA family's)
     in_flight: TransfersInFlight = NONE_IN_FLIGHT  # its transfers not completed yet
 
     def __post_init__(self) -> None:
         self.tenants = History(TenantCounts, self.series.horizon)
         self.transfers = History(TransferCounts, self.series.horizon)
+        self.allocator = History(AllocatorCounts, self.series.horizon)
 
     @property
     def key(self) -> str:

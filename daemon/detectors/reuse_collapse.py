@@ -28,6 +28,7 @@ from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
+from kvwatch.daemon.model.cuda import CUDA
 from kvwatch.daemon.model.findings import Finding
 from kvwatch.daemon.model.windows import ProcessWindow
 
@@ -100,7 +101,9 @@ class _State:
 class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
     name = ALERT
     alerts: ClassVar[tuple[str, ...]] = (ALERT, GROWTH)
-    needs = (sn.CUDA_ALLOC_CALLS,)  # a CUDA process, attached
+
+    def applies(self, p: ProcessWindow) -> bool:
+        return CUDA in p.allocator  # a CUDA process, attached
 
     def new_state(self) -> _State:
         c = self.config
@@ -111,24 +114,23 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
         )
 
     def measure(self, p: ProcessWindow) -> dict[str, float]:
-        w = self.config.window_seconds
-        s = p.series
-        allocs = s.delta(sn.CUDA_ALLOC_CALLS, w)
-        frees = s.delta(sn.CUDA_FREE_CALLS, w)
-        alloc_bytes = s.delta(sn.CUDA_ALLOC_BYTES, w)
-        freed_bytes = s.delta(sn.CUDA_FREED_BYTES, w)
+        d, dt = p.allocator.delta(CUDA, self.config.window_seconds)
+
+        def per_second(x: float) -> float:
+            return x / dt if dt > 0 else 0.0
+
         return {
-            "alloc_calls_per_second": s.rate(sn.CUDA_ALLOC_CALLS, w),
-            "free_calls_per_second": s.rate(sn.CUDA_FREE_CALLS, w),
-            "alloc_calls": allocs,
-            "free_calls": frees,
-            "alloc_bytes": alloc_bytes,
-            "freed_bytes": freed_bytes,
-            "net_bytes_per_second": s.rate(sn.CUDA_ALLOC_BYTES, w) - s.rate(sn.CUDA_FREED_BYTES, w),
-            "failures": s.delta(sn.CUDA_ALLOC_FAILURES, w),
-            "frees_after_failure": s.delta(sn.CUDA_FREES_AFTER_FAILURE, w),
-            "clustered_frees": s.delta(sn.CUDA_CLUSTERED_FREES, w),
-            "segment_allocs": s.delta(sn.CUDA_SEG_2M, w) + s.delta(sn.CUDA_SEG_20M, w),
+            "alloc_calls_per_second": per_second(d.alloc_calls),
+            "free_calls_per_second": per_second(d.free_calls),
+            "alloc_calls": d.alloc_calls,
+            "free_calls": d.free_calls,
+            "alloc_bytes": d.alloc_bytes,
+            "freed_bytes": d.freed_bytes,
+            "net_bytes_per_second": per_second(d.alloc_bytes) - per_second(d.freed_bytes),
+            "failures": d.alloc_failures,
+            "frees_after_failure": d.frees_after_failure,
+            "clustered_frees": d.clustered_frees,
+            "segment_allocs": d.seg_2m + d.seg_20m,
         }
 
     def churn(self, m: Mapping[str, float]) -> bool:
@@ -165,7 +167,7 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
         if now < st.quiet_until or p.age < c.warmup_seconds:
             return False
         # the KV pool: one allocation we saw, or (allocated before we attached) NVML's view
-        pool = max(p.series.last(sn.CUDA_MAX_ALLOC), p.series.last(sn.GPU_USED_BYTES))
+        pool = max(p.allocator.last(CUDA).max_alloc, p.series.last(sn.GPU_USED_BYTES))
         total = p.series.last(sn.GPU_DEVICE_TOTAL_BYTES)
         if c.require_kv_pool and total > 0 and pool < c.kv_pool_fraction * total:
             return False

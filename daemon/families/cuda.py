@@ -18,7 +18,9 @@ from kvwatch.daemon.families.attachments import Attached, FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
 from kvwatch.daemon.model.snapshot import CudaView
+from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.cuda import CUDA_APIS, AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
 from kvwatch.probes.records import SEGMENT_ALLOCS, SEGMENT_FREES
 
@@ -27,24 +29,30 @@ log = structlog.get_logger("kvwatch.cuda")
 # What the reuse-collapse detector counts as the allocator going to the device.
 
 
-def cuda_series(c: ProcessCuda) -> dict[str, float]:
+def allocator_counts(c: ProcessCuda) -> AllocatorCounts:
     def ok(labels: Iterable[str]) -> float:
         return float(sum(c.apis[a].ok for a in labels if a in c.apis))
 
     def nbytes(labels: Iterable[str]) -> float:
         return float(sum(c.apis[a].bytes for a in labels if a in c.apis))
 
+    return AllocatorCounts(
+        alloc_calls=ok(SEGMENT_ALLOCS),
+        free_calls=ok(SEGMENT_FREES),
+        alloc_bytes=nbytes(SEGMENT_ALLOCS),
+        freed_bytes=nbytes(SEGMENT_FREES),
+        alloc_failures=float(sum(c.apis[a].err for a in SEGMENT_ALLOCS if a in c.apis)),
+        frees_after_failure=float(c.frees_after_failure),
+        clustered_frees=float(c.clustered_frees),
+        seg_2m=float(c.seg_2m),
+        seg_20m=float(c.seg_20m),
+        max_alloc=float(c.max_alloc),
+    )
+
+
+def cuda_series(c: ProcessCuda) -> dict[str, float]:
+    """The copies a process made, for the engine's audit and the OS-side eviction view."""
     return {
-        sn.CUDA_ALLOC_CALLS: ok(SEGMENT_ALLOCS),
-        sn.CUDA_FREE_CALLS: ok(SEGMENT_FREES),
-        sn.CUDA_ALLOC_BYTES: nbytes(SEGMENT_ALLOCS),
-        sn.CUDA_FREED_BYTES: nbytes(SEGMENT_FREES),
-        sn.CUDA_ALLOC_FAILURES: float(sum(c.apis[a].err for a in SEGMENT_ALLOCS if a in c.apis)),
-        sn.CUDA_FREES_AFTER_FAILURE: float(c.frees_after_failure),
-        sn.CUDA_CLUSTERED_FREES: float(c.clustered_frees),
-        sn.CUDA_SEG_2M: float(c.seg_2m),
-        sn.CUDA_SEG_20M: float(c.seg_20m),
-        sn.CUDA_MAX_ALLOC: float(c.max_alloc),
         sn.CUDA_COPY_H2D_BYTES: float(c.copy_bytes("h2d")),
         sn.CUDA_COPY_D2H_BYTES: float(c.copy_bytes("d2h")),
     }
@@ -106,6 +114,12 @@ class CudaTracker(FamilyTracker):
         if c is None:
             return None if pid not in self.attached else cuda_series(ProcessCuda(apis={}))
         return cuda_series(c)
+
+    def observe(self, t: Tracked, now: float) -> None:
+        """The process's allocator counts into its history, while attached."""
+        if t.pid in self.attached:
+            c = self._counters.get(t.pid)
+            t.allocator.add(now, {CUDA: allocator_counts(c) if c is not None else AllocatorCounts()})
 
     def api_calls(self, pid: int) -> dict[str, float]:
         c = self._counters.get(pid)

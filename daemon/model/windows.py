@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvwatch.daemon.model.cuda import AllocatorCounts
 from kvwatch.daemon.model.engines import AuditRow, TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
@@ -25,6 +26,7 @@ class ProcessWindow:
     tenants: History[TenantCounts] = field(default_factory=lambda: History(TenantCounts))  # GPU pool by tenant
     transfers: History[TransferCounts] = field(default_factory=lambda: History(TransferCounts))  # by library
     in_flight: TransfersInFlight = NONE_IN_FLIGHT  # the transfers not completed yet
+    allocator: History[AllocatorCounts] = field(default_factory=lambda: History(AllocatorCounts))  # CUDA
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,35 +1,25 @@
-"""KVCacheReuseCollapse and CUDAMemoryGrowth on synthetic per-process series."""
+"""KVCacheReuseCollapse and CUDAMemoryGrowth on synthetic allocator counts."""
 
 from __future__ import annotations
 
 from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.reuse_collapse import ALERT, GROWTH, ReuseCollapse, allocator_settings
+from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
 from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 MIB = 1024 * 1024
-FIELDS = (
-    "cuda_alloc_calls",
-    "cuda_free_calls",
-    "cuda_alloc_bytes",
-    "cuda_freed_bytes",
-    "cuda_alloc_failures",
-    "cuda_frees_after_failure",
-    "cuda_clustered_frees",
-    "cuda_seg_2m",
-    "cuda_seg_20m",
-    "cuda_max_alloc",
-    "gpu_device_total_bytes",
-)
 
 
 class Proc:
     def __init__(self, config: ReuseCollapseConfig, environ: dict[str, str] | None = None, age: float = 1000.0) -> None:
         self.det = ReuseCollapse(config)
         self.series = SeriesSet()
-        self.tot = dict.fromkeys(FIELDS, 0.0)
+        self.allocator: History[AllocatorCounts] = History(AllocatorCounts)
+        self.tot = AllocatorCounts()
         self.t = 0.0
         self.age = age
         self.environ = environ or {}
@@ -47,18 +37,25 @@ class Proc:
     ) -> dict[str, object]:
         frees = allocs if frees is None else frees
         self.t += 1
-        self.tot["cuda_alloc_calls"] += allocs
-        self.tot["cuda_free_calls"] += frees
-        self.tot["cuda_alloc_bytes"] += allocs * size
-        self.tot["cuda_freed_bytes"] += frees * (size if freed_size is None else freed_size)
-        self.tot["cuda_alloc_failures"] += failures
-        self.tot["cuda_frees_after_failure"] += after_fail
-        self.tot["cuda_clustered_frees"] += clustered
-        self.tot["cuda_seg_20m" if size == 20 * MIB else "cuda_seg_2m"] += allocs if size in (2 * MIB, 20 * MIB) else 0
-        self.tot["cuda_max_alloc"] = max(self.tot["cuda_max_alloc"], pool)
-        self.tot["gpu_device_total_bytes"] = 140e9
-        self.series.add(self.t, dict(self.tot))
-        pw = ProcessWindow(Subject("p", {"pid": "1"}), self.age + self.t, self.series, environ=self.environ)
+        t = self.tot
+        seg = allocs if size in (2 * MIB, 20 * MIB) else 0
+        self.tot = AllocatorCounts(
+            alloc_calls=t.alloc_calls + allocs,
+            free_calls=t.free_calls + frees,
+            alloc_bytes=t.alloc_bytes + allocs * size,
+            freed_bytes=t.freed_bytes + frees * (size if freed_size is None else freed_size),
+            alloc_failures=t.alloc_failures + failures,
+            frees_after_failure=t.frees_after_failure + after_fail,
+            clustered_frees=t.clustered_frees + clustered,
+            seg_2m=t.seg_2m + (seg if size == 2 * MIB else 0),
+            seg_20m=t.seg_20m + (seg if size == 20 * MIB else 0),
+            max_alloc=max(t.max_alloc, pool),
+        )
+        self.allocator.add(self.t, {CUDA: self.tot})
+        self.series.add(self.t, {"gpu_device_total_bytes": 140e9})
+        pw = ProcessWindow(
+            Subject("p", {"pid": "1"}), self.age + self.t, self.series, environ=self.environ, allocator=self.allocator
+        )
         out = {f.alert: f for f in self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))}
         return out
 
