@@ -301,6 +301,7 @@ class Agent:
                 (
                     t.key,
                     t.series,
+                    t.engine_state,
                     Evidence(float(engines.copy_probes.get(t.key, False)), self.losses.exact_block_bytes(t.key)),
                 )
                 for t in self.tracker.tracked()
@@ -333,6 +334,8 @@ class Agent:
             transfers=t.transfers,
             in_flight=t.in_flight,
             allocator=t.allocator,
+            engine=t.engine,
+            engine_state=t.engine_state,
         )
 
     def _detect(self, now: float) -> list[Finding]:

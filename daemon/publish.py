@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.transfer import TransferProcessState
 from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
+from kvwatch.daemon.model.engine_scrape import ENGINE, TierCounts, tier_key
 from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
@@ -130,37 +131,42 @@ def regret_ratios(s: SeriesSet, media: Sequence[str], window: float) -> dict[str
 
 
 def engine_view(
-    view: EngineView | None, s: SeriesSet, window: float, block_bytes: tuple[int, str] | None
+    view: EngineView | None, t: Tracked, window: float, block_bytes: tuple[int, str] | None
 ) -> EngineView | None:
-    """The taps' view with what the series say over the window: the prefix-hit ratio, the regret
-    ratio per medium, each engine tier's hit ratio; and the block size the ledger priced with."""
+    """The taps' view with what the process's observations say over the window: the prefix-hit
+    ratio, the regret ratio per medium, each engine tier's hit ratio; and the block size the
+    ledger priced with."""
     if view is None:
         return None
-    q = s.delta(sn.ENGINE_PREFIX_QUERIES, window)
+    engine, _ = t.engine.delta(ENGINE, window)
+    q = engine.prefix_queries
     media = {m for st in view.streams for m in st.media}
     size, source = block_bytes or (None, "")
     return replace(
         view,
-        hit_ratio=s.delta(sn.ENGINE_PREFIX_HITS, window) / q if q > 0 else None,
-        regret_ratio=regret_ratios(s, sorted(media), window),
-        tier_hit_ratio=tier_hit_ratios(s, view.tiers, window),
+        hit_ratio=engine.prefix_hits / q if q > 0 else None,
+        regret_ratio=regret_ratios(t.series, sorted(media), window),
+        tier_hit_ratio=tier_hit_ratios(t.engine_tiers, view.tiers, window),
         block_bytes=size,
         block_bytes_source=source,
     )
 
 
-def tier_hit_ratios(s: SeriesSet, tiers: Iterable[TierReading], window: float) -> dict[tuple[str, str], float]:
+def tier_hit_ratios(
+    counts: History[TierCounts], tiers: Iterable[TierReading], window: float
+) -> dict[tuple[str, str], float]:
     """Per (source, tier): tokens found over tokens looked up, over the window, where the engine
     counts both; else the ratio it exports itself."""
     out: dict[tuple[str, str], float] = {}
-    for r in tiers:
+    readings = list(tiers)
+    hits = {(r.source, r.tier, r.unit) for r in readings if r.quantity == "hit"}
+    for r in readings:
         if r.quantity == "hit_ratio":
             out[(r.source, r.tier)] = r.value
-        elif r.quantity == "queried":
-            base = f"{sn.ENGINE_TIER}{r.source}:{r.tier}:"
-            q = s.delta(f"{base}queried:{r.unit}", window)
-            if q > 0 and f"{base}hit:{r.unit}" in s.series:
-                out[(r.source, r.tier)] = s.delta(f"{base}hit:{r.unit}", window) / q
+        elif r.quantity == "queried" and (r.source, r.tier, r.unit) in hits:
+            d, _ = counts.delta(tier_key(r.source, r.tier, r.unit), window)
+            if d.queried > 0:
+                out[(r.source, r.tier)] = d.hit / d.queried
     return out
 
 
@@ -186,7 +192,7 @@ def process_views(tracked: Sequence[Tracked], parts: ProcessParts) -> tuple[Proc
 
 
 def _process_view(t: Tracked, parts: ProcessParts) -> ProcessView:
-    engine = engine_view(parts.engines(t), t.series, parts.engine_window, parts.block_bytes(t.key))
+    engine = engine_view(parts.engines(t), t, parts.engine_window, parts.block_bytes(t.key))
     return ProcessView(
         key=t.key,
         pid=t.pid,

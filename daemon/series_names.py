@@ -128,58 +128,7 @@ KV_CLEARED = _declare(
 )
 KV_BATCHES_LOST = _declare("kv_batches_lost", COUNTER, _TAPS, ("engines.audit",), "batches missed and not replayed")
 
-# --- the engine's /metrics as the taps read them (engines.taps; names of ``EngineSample.counters``) ----------
-_BURST = ("detectors.eviction_burst",)
-ENGINE_PREFIX_QUERIES = _declare(
-    "engine_prefix_queries", COUNTER, _TAPS, (*_BURST, "detectors.prefix_cache", "publish"), "tokens looked up"
-)
-ENGINE_PREFIX_HITS = _declare(
-    "engine_prefix_hits", COUNTER, _TAPS, (*_BURST, "detectors.prefix_cache", "publish"), "tokens found"
-)
-ENGINE_PREEMPTIONS = _declare(
-    "engine_preemptions",
-    COUNTER,
-    _TAPS,
-    (*_BURST, "detectors.preemption_livelock", "engines.losses"),
-    "requests preempted",
-)
-ENGINE_GENERATION_TOKENS = _declare(
-    "engine_generation_tokens", COUNTER, _TAPS, ("detectors.preemption_livelock",), "tokens generated"
-)
-ENGINE_EVICTED_TOKENS = _declare("engine_evicted_tokens", COUNTER, _TAPS, _BURST, "SGLang radix-cache evictions")
-ENGINE_IDLE_EVICT_SAMPLES = _declare(
-    "engine_idle_evict_samples", COUNTER, _TAPS, _BURST, "vLLM's idle-before-evict samples"
-)
-ENGINE_IDLE_EVICT_YOUNG = _declare(
-    "engine_idle_evict_young", COUNTER, _TAPS, _BURST, "... of which idle less than thrash_seconds"
-)
-LMCACHE_EVICTED_KEYS = _declare("lmcache_evicted_keys", COUNTER, _TAPS, _BURST, "LMCache CPU evictions")
-LMCACHE_HIT_TOKENS = _declare("lmcache_hit_tokens", COUNTER, _TAPS, _BURST, "LMCache hit tokens")
-LMCACHE_REQUESTED_TOKENS = _declare("lmcache_requested_tokens", COUNTER, _TAPS, _BURST, "LMCache requested tokens")
-ENGINE_EXTERNAL_QUERIES = _declare(
-    "engine_external_prefix_queries", COUNTER, _TAPS, _BURST, "tokens looked up in a KV connector's tier"
-)
-ENGINE_EXTERNAL_HITS = _declare("engine_external_prefix_hits", COUNTER, _TAPS, _BURST, "... found there")
-ENGINE_OFFLOAD_STORE_BYTES = _declare(
-    "engine_offload_store_bytes", COUNTER, _TAPS, ("engines.audit",), "bytes the engine says it offloaded"
-)
-ENGINE_OFFLOAD_LOAD_BYTES = _declare(
-    "engine_offload_load_bytes", COUNTER, _TAPS, ("engines.audit",), "bytes it says it loaded back"
-)
-ENGINE_TIER = _declare("kv_tier:", COUNTER, _TAPS, ("publish",), "+ source:tier:quantity:unit, an engine tier counter")
-ENGINE_METRICS_FRESH = _declare("engine_metrics_fresh", GAUGE, _TAPS, _BURST, "1 while the last scrape is recent")
-ENGINE_KV_USAGE = _declare("engine_kv_usage", GAUGE, _TAPS, _BURST, "the engine's KV pool usage, 0..1")
-ENGINE_KV_POOL_BLOCKS = _declare("engine_kv_pool_blocks", GAUGE, _TAPS, ("engines.audit",), "GPU blocks allocated")
-ENGINE_SLEEPING = _declare(
-    "engine_sleeping",
-    GAUGE,
-    _TAPS,
-    ("detectors.base", "detectors.reuse_collapse"),
-    "1 while the engine sleeps (its KV pool discarded on purpose)",
-)
-ENGINE_TREE_TAPPED = _declare(
-    "engine_tree_tapped", GAUGE, _TAPS, _BURST, "1: the process or an ancestor has engine taps"
-)
+# --- the engine's processes, summed on the tapped one (engines.taps) -------------------------------------------
 ENGINE_TREE_COPY_D2H_BYTES = _declare(
     "engine_tree_copy_d2h_bytes", COUNTER, _TAPS, ("engines.audit",), "device-to-host copies of the engine's processes"
 )

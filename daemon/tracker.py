@@ -18,6 +18,7 @@ import structlog
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.model.cuda import AllocatorCounts
+from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState, ScrapeCounts, TierCounts
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
@@ -48,11 +49,16 @@ class Tracked:
     transfers: History[TransferCounts] = field(init=False)  # by library (the transfer family's)
     allocator: History[AllocatorCounts] = field(init=False)  # its CUDA allocator (the CUDA family's)
     in_flight: TransfersInFlight = NONE_IN_FLIGHT  # its transfers not completed yet
+    engine: History[ScrapeCounts] = field(init=False)  # its engine's /metrics counters (the taps', tapped only)
+    engine_tiers: History[TierCounts] = field(init=False)  # its engine's tier counters, by tier_key
+    engine_state: EngineState = NO_ENGINE  # its engine's gauges this tick (the taps')
 
     def __post_init__(self) -> None:
         self.tenants = History(TenantCounts, self.series.horizon)
         self.transfers = History(TransferCounts, self.series.horizon)
         self.allocator = History(AllocatorCounts, self.series.horizon)
+        self.engine = History(ScrapeCounts, self.series.horizon)
+        self.engine_tiers = History(TierCounts, self.series.horizon)
 
     @property
     def key(self) -> str:

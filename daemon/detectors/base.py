@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
-from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.windows import ProcessWindow
 
 
 @dataclass(slots=True)
@@ -78,8 +78,8 @@ def threshold(baseline: float, factor: float, floor: float) -> float:
     return max(factor * baseline, floor)
 
 
-def cleared_on_purpose(s: SeriesSet, window: float) -> bool:
+def cleared_on_purpose(p: ProcessWindow, window: float) -> bool:
     """The engine dropped its KV cache on purpose within ``window``: an AllBlocksCleared (a prefix
     cache reset, a sleep) or asleep now. What is evicted or missed then is intended, not thrash:
     the KV detectors judge nothing of such a window."""
-    return s.delta(sn.KV_CLEARED, window) > 0 or s.gauge(sn.ENGINE_SLEEPING) >= 1
+    return p.series.delta(sn.KV_CLEARED, window) > 0 or p.engine_state.sleeping

@@ -55,7 +55,7 @@ a CPU tier is judged by its own hit ratio (LMCache's, or vLLM's external prefix 
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvwatch.daemon import series_names as sn
@@ -63,8 +63,8 @@ from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
+from kvwatch.daemon.model.engine_scrape import ENGINE, ScrapeCounts, exports
 from kvwatch.daemon.model.findings import Finding, Subject
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVEvictionBurst"
@@ -96,56 +96,78 @@ STREAM_PREFIX = sn.KV_REMOVED
 MEDIUM_ORDER = {"GPU": 0, "CPU": 1}  # the engine's own pool first, then its first offload tier
 
 
+Count = Callable[[ProcessWindow, float], tuple[float, float]]  # a counter's increase over a window, and its seconds
+
+
+def _series(name: str) -> Count:
+    def count(p: ProcessWindow, window: float) -> tuple[float, float]:
+        s = p.series.series.get(name)
+        return s.delta(window) if s is not None else (0.0, 0.0)
+
+    return count
+
+
+def _engine(get: Callable[[ScrapeCounts], float]) -> Count:
+    def count(p: ProcessWindow, window: float) -> tuple[float, float]:
+        d, seconds = p.engine.delta(ENGINE, window)
+        return get(d), seconds
+
+    return count
+
+
+def _rate(count: Count, p: ProcessWindow, window: float) -> float:
+    inc, seconds = count(p, window)
+    return inc / seconds if seconds > 0 else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Source:
     medium: str
-    removed: str  # series of the eviction counter
+    removed: Count  # the eviction counter
     unit: str  # blocks / tokens / keys
-    young: str | None  # series: removals of recently stored blocks
-    young_of: str | None  # ... out of this many
-    hits: str | None  # prefix-hit series (hits, queries) for this medium
-    queries: str | None
-    also: str | None = None  # a second series that must burst too (the rate is the smaller of the two)
+    young: Count | None  # removals of recently stored blocks
+    young_of: Count | None  # ... out of this many
+    hits: Count | None  # prefix hits (tokens found, tokens looked up) on this medium
+    queries: Count | None
+    also: Count | None = None  # a second counter that must burst too (the rate is the smaller of the two)
     window_bounded: bool = False  # the medium's blocks (its reference group) keep a window only
 
 
-def _hit_series(names: Container[str], medium: str) -> tuple[str | None, str | None]:
+def _hit_counts(p: ProcessWindow, medium: str) -> tuple[Count | None, Count | None]:
     """The prefix-hit counters that measure reuse on ``medium``: the engine's own prefix cache
     for GPU; for CPU, LMCache's hit tokens, else vLLM's external (KV connector) prefix cache."""
-    pairs = {
-        "GPU": [(sn.ENGINE_PREFIX_HITS, sn.ENGINE_PREFIX_QUERIES)],
-        "CPU": [
-            (sn.LMCACHE_HIT_TOKENS, sn.LMCACHE_REQUESTED_TOKENS),
-            (sn.ENGINE_EXTERNAL_HITS, sn.ENGINE_EXTERNAL_QUERIES),
-        ],
-    }.get(medium, [])
-    for hits, queries in pairs:
-        if queries in names:
-            return hits, queries
+    state = p.engine_state
+    if medium == "GPU" and exports(state, lambda x: x.prefix_queries):
+        return _engine(lambda d: d.prefix_hits), _engine(lambda d: d.prefix_queries)
+    if medium == "CPU" and exports(state, lambda x: x.lmcache_requested_tokens):
+        return _engine(lambda d: d.lmcache_hit_tokens), _engine(lambda d: d.lmcache_requested_tokens)
+    if medium == "CPU" and exports(state, lambda x: x.external_queries):
+        return _engine(lambda d: d.external_hits), _engine(lambda d: d.external_queries)
     return None, None
 
 
-def sources(s: SeriesSet) -> list[Source]:
+def sources(p: ProcessWindow) -> list[Source]:
     """Every medium this process reports evictions for, in a fixed order (GPU, CPU, the rest
     by name): the order, not the timing of a tick, decides which medium names an alert."""
-    names = s.series
+    s = p.series
     out: list[Source] = []
-    for name in names:
+    for name in s.series:
         if name.startswith(STREAM_PREFIX):
             m = name[len(STREAM_PREFIX) :]
-            hits, queries = _hit_series(names, m)
             bounded = s.gauge(f"{sn.KV_WINDOW_BOUNDED}{m}") >= 1
-            young = None if bounded else f"{sn.KV_REMOVED_YOUNG}{m}"
-            out.append(Source(m, name, "blocks", young, name, hits, queries, window_bounded=bounded))
+            removed = _series(name)
+            young = None if bounded else _series(f"{sn.KV_REMOVED_YOUNG}{m}")
+            out.append(Source(m, removed, "blocks", young, removed, *_hit_counts(p, m), window_bounded=bounded))
     media = {x.medium for x in out}
-    if "GPU" not in media and sn.ENGINE_EVICTED_TOKENS in names:
-        out.append(Source("GPU", sn.ENGINE_EVICTED_TOKENS, "tokens", None, None, *_hit_series(names, "GPU")))
-    if "CPU" not in media and sn.LMCACHE_EVICTED_KEYS in names:
-        out.append(Source("CPU", sn.LMCACHE_EVICTED_KEYS, "keys", None, None, *_hit_series(names, "CPU")))
-    if not out and sn.CUDA_COPY_D2H_BYTES in names and not s.gauge(sn.ENGINE_TREE_TAPPED):
+    if "GPU" not in media and exports(p.engine_state, lambda x: x.evicted_tokens):
+        out.append(Source("GPU", _engine(lambda d: d.evicted_tokens), "tokens", None, None, *_hit_counts(p, "GPU")))
+    if "CPU" not in media and exports(p.engine_state, lambda x: x.lmcache_evicted_keys):
+        out.append(Source("CPU", _engine(lambda d: d.lmcache_evicted_keys), "keys", None, None, *_hit_counts(p, "CPU")))
+    if not out and sn.CUDA_COPY_D2H_BYTES in s.series and not p.engine_state.tapped:
         # no engine data at all: the OS-side view — KV stored to host and loaded back, both
         # far above their baseline, is the store-then-reload churn of evicted hot blocks
-        out.append(Source("CPU", sn.CUDA_COPY_D2H_BYTES, "bytes", None, None, None, None, sn.CUDA_COPY_H2D_BYTES))
+        d2h, h2d = _series(sn.CUDA_COPY_D2H_BYTES), _series(sn.CUDA_COPY_H2D_BYTES)
+        out.append(Source("CPU", d2h, "bytes", None, None, None, None, h2d))
     return sorted(out, key=lambda x: (MEDIUM_ORDER.get(x.medium, len(MEDIUM_ORDER)), x.medium))
 
 
@@ -183,7 +205,7 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
         return _State(Hysteresis(self.config.confirm_windows, self.config.clear_windows))
 
     def applies(self, p: ProcessWindow) -> bool:
-        return bool(sources(p.series))
+        return bool(sources(p))
 
     def _medium_state(self, st: _State, medium: str) -> _Medium:
         m = st.media.get(medium)
@@ -195,30 +217,31 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
     def measure(self, p: ProcessWindow, src: Source) -> dict[str, float]:
         c = self.config
         w = c.window_seconds
-        s = p.series
-        out = {"eviction_rate": s.rate(src.removed, w), "evicted": s.delta(src.removed, w)}
+        evicted, seconds = src.removed(p, w)
+        out = {"eviction_rate": evicted / seconds if seconds > 0 else 0.0, "evicted": evicted}
         if src.also is not None:
-            out["d2h_bytes_per_second"], out["h2d_bytes_per_second"] = out["eviction_rate"], s.rate(src.also, w)
+            out["d2h_bytes_per_second"], out["h2d_bytes_per_second"] = out["eviction_rate"], _rate(src.also, p, w)
             out["eviction_rate"] = min(out["eviction_rate"], out["h2d_bytes_per_second"])
-            out["evicted"] = min(out["evicted"], s.delta(src.also, w))
+            out["evicted"] = min(out["evicted"], src.also(p, w)[0])
+        engine = p.engine_state
         if src.young and src.young_of:
-            removed = s.delta(src.young_of, w)
-            out["young_fraction"] = s.delta(src.young, w) / removed if removed > 0 else 0.0
-        elif src.medium == "GPU" and not src.window_bounded and sn.ENGINE_IDLE_EVICT_SAMPLES in s.series:
-            n = s.delta(sn.ENGINE_IDLE_EVICT_SAMPLES, w)
-            out["young_fraction"] = s.delta(sn.ENGINE_IDLE_EVICT_YOUNG, w) / n if n > 0 else 0.0
+            removed = src.young_of(p, w)[0]
+            out["young_fraction"] = src.young(p, w)[0] / removed if removed > 0 else 0.0
+        elif src.medium == "GPU" and not src.window_bounded and exports(engine, lambda x: x.idle_evict_samples):
+            d, _ = p.engine.delta(ENGINE, w)
+            out["young_fraction"] = d.idle_evict_young / d.idle_evict_samples if d.idle_evict_samples > 0 else 0.0
         if src.hits and src.queries:
-            q = s.delta(src.queries, w)
+            q = src.queries(p, w)[0]
             out["queried_tokens"] = q
             if q >= c.min_queried_tokens and q > 0:
-                out["hit_ratio"] = s.delta(src.hits, w) / q
+                out["hit_ratio"] = src.hits(p, w)[0] / q
         if src.window_bounded:
             out["window_bounded"] = 1.0
         if src.medium == "GPU":  # the engine's usage and preemptions are about its own (GPU) pool
-            if s.gauge(sn.ENGINE_METRICS_FRESH) and sn.ENGINE_KV_USAGE in s.gauges:
-                out["kv_usage"] = s.gauge(sn.ENGINE_KV_USAGE)
-            if sn.ENGINE_PREEMPTIONS in s.series:
-                out["preemptions_per_second"] = s.rate(sn.ENGINE_PREEMPTIONS, w)
+            if engine.usage is not None:
+                out["kv_usage"] = engine.usage
+            if exports(engine, lambda x: x.preemptions):
+                out["preemptions_per_second"] = _rate(_engine(lambda d: d.preemptions), p, w)
         return out
 
     def _cause(self, m: dict[str, float], evidence: bool) -> str:
@@ -237,9 +260,8 @@ class EvictionBurst(ProcessDetector[EvictionBurstConfig, _State]):
 
     def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c = self.config
-        srcs = sources(p.series)
-        s = p.series
-        if cleared_on_purpose(s, max(c.window_seconds, 1.0)):
+        srcs = sources(p)
+        if cleared_on_purpose(p, max(c.window_seconds, 1.0)):
             st.quiet_until = now + c.quiet_after_reset_seconds
             st.learning_since = None
         quiet = now < st.quiet_until

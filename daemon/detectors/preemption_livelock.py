@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PreemptionLivelockConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
+from kvwatch.daemon.model.engine_scrape import ENGINE, exports
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import ProcessWindow
 
@@ -52,7 +52,6 @@ SPECS = (
         ),
     ),
 )
-PREEMPTIONS, TOKENS = sn.ENGINE_PREEMPTIONS, sn.ENGINE_GENERATION_TOKENS
 
 
 @dataclass(slots=True)
@@ -64,7 +63,9 @@ class _State:
 
 class PreemptionLivelock(ProcessDetector[PreemptionLivelockConfig, _State]):
     name = ALERT
-    needs = (PREEMPTIONS, TOKENS)
+
+    def applies(self, p: ProcessWindow) -> bool:
+        return exports(p.engine_state, lambda x: x.preemptions, lambda x: x.generation_tokens)
 
     def new_state(self) -> _State:
         c = self.config
@@ -73,9 +74,9 @@ class PreemptionLivelock(ProcessDetector[PreemptionLivelockConfig, _State]):
     def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c = self.config
         w = c.window_seconds
-        preempted = p.series.delta(PREEMPTIONS, w)
-        tokens = p.series.delta(TOKENS, w)
-        preempt_rate, token_rate = p.series.rate(PREEMPTIONS, w), p.series.rate(TOKENS, w)
+        d, seconds = p.engine.delta(ENGINE, w)
+        preempted, tokens = d.preemptions, d.generation_tokens
+        preempt_rate, token_rate = (preempted / seconds, tokens / seconds) if seconds > 0 else (0.0, 0.0)
         if st.learning_since is None and p.age >= c.warmup_seconds:
             st.learning_since = now
         learnt = st.tokens.value

@@ -41,6 +41,7 @@ from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
+from kvwatch.daemon.model.engine_scrape import ENGINE, exports
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.windows import ProcessWindow
 
@@ -69,7 +70,6 @@ SPECS = (
         page_on='cause="not_hit"',
     ),
 )
-QUERIES, HITS = sn.ENGINE_PREFIX_QUERIES, sn.ENGINE_PREFIX_HITS
 STORED, REGRETTED, RESTORED = f"{sn.KV_STORED}GPU", f"{sn.KV_REGRETTED}GPU", f"{sn.KV_RESTORED}GPU"
 WINDOW_REGRETTED = f"{sn.KV_WINDOW_REGRETTED}GPU"
 ANNOUNCED, ANNOUNCED_TOKENS = f"{sn.KV_ANNOUNCED}GPU", f"{sn.KV_ANNOUNCED_TOKENS}GPU"
@@ -84,7 +84,9 @@ class _State:
 
 class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _State]):
     name = ALERT
-    needs = (QUERIES, STORED)
+
+    def applies(self, p: ProcessWindow) -> bool:
+        return STORED in p.series.series and exports(p.engine_state, lambda x: x.prefix_queries)
 
     def new_state(self) -> _State:
         c = self.config
@@ -92,7 +94,8 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
 
     def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
         c, s, w = self.config, p.series, self.config.window_seconds
-        queried, hits, stored = s.delta(QUERIES, w), s.delta(HITS, w), s.delta(STORED, w)
+        engine, _ = p.engine.delta(ENGINE, w)
+        queried, hits, stored = engine.prefix_queries, engine.prefix_hits, s.delta(STORED, w)
         restored, regretted = s.delta(RESTORED, w), s.delta(REGRETTED, w)
         # held blocks stored again from a request's first block are hit announcements only as far
         # as the engine's hits cover them; the rest were computed again: stored while held
@@ -104,7 +107,7 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
         ratio = hits / queried if queried > 0 else 0.0
         share = restored / stored if stored > 0 else 0.0
         evicted_first = share < c.recur_fraction and regretted >= c.recur_fraction * stored > 0
-        intentional = cleared_on_purpose(s, w)
+        intentional = cleared_on_purpose(p, w)
         judged = p.age >= c.warmup_seconds and not intentional and not evicted_first
         # "shares nothing" describes the workload: only where missing is the engine's normal, not a
         # drop from what it hit before (a flood of unique prompts, a workload that changed)

@@ -158,7 +158,7 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
         """Past start-up: old enough, KV pool allocated when we can tell, and a baseline learnt
         for a while (CUDA graph capture and torch.compile allocate a lot at first)."""
         c = self.config
-        if p.series.gauge(sn.ENGINE_SLEEPING) >= 1:
+        if p.engine_state.sleeping:
             # sleep mode releases the KV pool (and weights) and wake-up maps them again: an
             # intentional turnover, neither judged nor learnt; the process warms up anew after
             st.warm_since = None

@@ -135,7 +135,7 @@ class TenantThrash(ProcessDetector[TenantThrashConfig, _State]):
     def judge_all(self, key: str, st: _State, p: ProcessWindow, now: float) -> list[Finding]:
         c = self.config
         win = _window(p.tenants, c.window_seconds)
-        intentional = cleared_on_purpose(p.series, c.window_seconds)
+        intentional = cleared_on_purpose(p, c.window_seconds)
         measured = not intentional and win.pool_stored >= c.min_stored_blocks and win.seconds > 0
         out = []
         for name in sorted((win.stored.keys() | st.victims.keys()) - NEVER):

@@ -31,18 +31,18 @@ copy probes not attached or shed) is not judged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import MetricDivergenceConfig
-from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.engine_scrape import EngineState
+from kvwatch.daemon.model.engines import AuditRow, EngineSample
 from kvwatch.daemon.model.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
 COPY_PROBES = "copy_probes"  # evidence: the engine's processes have their copy probes attached
 BLOCK_BYTES = "block_bytes"  # evidence: bytes of one block, where configured or learnt from a divisor
-POOL_BLOCKS = sn.ENGINE_KV_POOL_BLOCKS  # gauge
 RESIDENT_GPU = f"{sn.KV_RESIDENT}GPU"  # gauge
 LOST_BATCHES = sn.KV_BATCHES_LOST  # series
 
@@ -52,7 +52,7 @@ class Pair:
     name: str
     unit: str
     relation: str
-    engine: str  # series (counter pairs) or gauge name
+    engine: Callable[[EngineSample], float | None]  # the engine's counter (a gauge pair: read fresh only)
     engine_source: str
     kvwatch: str
     kvwatch_source: str
@@ -67,7 +67,7 @@ PAIRS = (
         "offload_store_copies",
         "bytes",
         EQUAL,
-        sn.ENGINE_OFFLOAD_STORE_BYTES,
+        lambda x: x.offload_store_bytes,
         "vllm:kv_offload_store_bytes",
         sn.ENGINE_TREE_COPY_D2H_BYTES,
         "device-to-host copy probes",
@@ -77,7 +77,7 @@ PAIRS = (
         "offload_load_copies",
         "bytes",
         AT_MOST,
-        sn.ENGINE_OFFLOAD_LOAD_BYTES,
+        lambda x: x.offload_load_bytes,
         "vllm:kv_offload_load_bytes",
         sn.ENGINE_TREE_COPY_H2D_BYTES,
         "host-to-device copy probes",
@@ -87,7 +87,7 @@ PAIRS = (
         "offload_store_blocks",
         "bytes",
         EQUAL,
-        sn.ENGINE_OFFLOAD_STORE_BYTES,
+        lambda x: x.offload_store_bytes,
         "vllm:kv_offload_store_bytes",
         f"{sn.KV_PHYSICAL_STORED}CPU",
         "KV event stream CPU blocks stored (every KV cache group) x block size",
@@ -99,7 +99,7 @@ PAIRS = (
         "resident_blocks",
         "blocks",
         AT_MOST,
-        POOL_BLOCKS,
+        lambda x: x.pool_blocks,
         "vllm:cache_config_info num_gpu_blocks",
         RESIDENT_GPU,
         "KV event stream GPU blocks resident (every KV cache group)",
@@ -167,23 +167,25 @@ class ProcessAudit:
         self.settings = settings
         self._pairs: dict[str, _PairState] = {p.name: _PairState() for p in PAIRS}
 
-    def update(self, series: SeriesSet, evidence: Evidence, now: float) -> tuple[AuditRow, ...]:
+    def update(self, series: SeriesSet, engine: EngineState, evidence: Evidence, now: float) -> tuple[AuditRow, ...]:
         for pair in PAIRS:
             st = self._pairs[pair.name]
             if not all(evidence.get(e) > 0 for e in pair.requires):
                 st.open = None  # evidence absent: the next window starts when it is back
                 continue
+            if engine.scrape is None:
+                continue
             if pair.gauge:
-                self._gauge_pair(pair, st, series, now)
+                self._gauge_pair(pair, st, series, engine, now)
             else:
-                self._counter_pair(pair, st, series, evidence.get(pair.scale) if pair.scale else 1.0)
+                self._counter_pair(pair, st, series, engine.scrape, evidence.get(pair.scale) if pair.scale else 1.0)
         return tuple(st.row for st in self._pairs.values() if st.row is not None)
 
-    def _counter_pair(self, pair: Pair, st: _PairState, series: SeriesSet, scale: float) -> None:
-        es, ks = series.series.get(pair.engine), series.series.get(pair.kvwatch)
-        if es is None or ks is None or not es.samples:
+    def _counter_pair(self, pair: Pair, st: _PairState, series: SeriesSet, sample: EngineSample, scale: float) -> None:
+        e1, ks = pair.engine(sample), series.series.get(pair.kvwatch)
+        if e1 is None or ks is None:
             return
-        t1, e1 = es.samples[-1]  # the engine's newest scrape; kvwatch's side read at its time
+        t1 = sample.at  # the engine's newest scrape; kvwatch's side read at its time
         k1 = ks.value_at(t1)
         if k1 is None:
             return
@@ -197,8 +199,9 @@ class ProcessAudit:
         self._judge(pair, st, e1 - o.engine0, (k1 - o.kvwatch0) * scale, t1 - o.t0)
         st.open = _Open(t1, e1, k1, lost, scale)
 
-    def _gauge_pair(self, pair: Pair, st: _PairState, series: SeriesSet, now: float) -> None:
-        engine, kvwatch = series.gauges.get(pair.engine), series.gauges.get(pair.kvwatch)
+    def _gauge_pair(self, pair: Pair, st: _PairState, series: SeriesSet, state: EngineState, now: float) -> None:
+        engine = pair.engine(state.scrape) if state.scrape is not None and state.fresh else None
+        kvwatch = series.gauges.get(pair.kvwatch)
         if engine is None or kvwatch is None or engine <= 0:
             return
         lost = series.last(LOST_BATCHES)
@@ -242,15 +245,15 @@ class MetricAudit:
         self.rows: dict[str, tuple[AuditRow, ...]] = {}
 
     def update(
-        self, processes: Iterable[tuple[str, SeriesSet, Evidence]], now: float
+        self, processes: Iterable[tuple[str, SeriesSet, EngineState, Evidence]], now: float
     ) -> Mapping[str, tuple[AuditRow, ...]]:
         seen = set()
-        for key, series, evidence in processes:
+        for key, series, engine, evidence in processes:
             seen.add(key)
             audit = self._procs.get(key)
             if audit is None:
                 audit = self._procs[key] = ProcessAudit(self.settings)
-            self.rows[key] = audit.update(series, evidence, now)
+            self.rows[key] = audit.update(series, engine, evidence, now)
         for key in list(self._procs):
             if key not in seen:
                 del self._procs[key]

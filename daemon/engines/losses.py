@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
+from kvwatch.daemon.model.engine_scrape import ENGINE
 from kvwatch.daemon.model.windows import OomEvent, TierPageLoss
 from kvwatch.daemon.tracker import Tracked
 
@@ -41,7 +42,7 @@ def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]) -
     window = preempt_window(taps.config.scrape_interval_seconds)
     for t in tracked:
         if taps.tapped(t):
-            preempting = t.series.delta(sn.ENGINE_PREEMPTIONS, window) > 0
+            preempting = t.engine.delta(ENGINE, window)[0].preemptions > 0
             ledger.of(t.key).streams(taps.streams_of(t.key), taps.sample_of(t.key), preempting)
 
 

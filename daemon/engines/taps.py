@@ -25,8 +25,8 @@ from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer, load_key
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, scrape_counts, tier_counts
 from kvwatch.daemon.model.engines import (
-    TIER_COUNTERS,
     EnginePlan,
     EngineSample,
     EngineView,
@@ -107,31 +107,6 @@ class _Planned:
     plan: EnginePlan | None
     at: float
     sample_at: float = -1.0
-
-
-def sample_series(x: EngineSample) -> dict[str, float]:
-    """A scrape's cumulative counters, as series values."""
-    names = {
-        sn.ENGINE_PREFIX_QUERIES: x.prefix_queries,
-        sn.ENGINE_PREFIX_HITS: x.prefix_hits,
-        sn.ENGINE_PREEMPTIONS: x.preemptions,
-        sn.ENGINE_EVICTED_TOKENS: x.evicted_tokens,
-        sn.ENGINE_IDLE_EVICT_SAMPLES: x.idle_evict_samples,
-        sn.ENGINE_IDLE_EVICT_YOUNG: x.idle_evict_young,
-        sn.LMCACHE_EVICTED_KEYS: x.lmcache_evicted_keys,
-        sn.LMCACHE_HIT_TOKENS: x.lmcache_hit_tokens,
-        sn.LMCACHE_REQUESTED_TOKENS: x.lmcache_requested_tokens,
-        sn.ENGINE_EXTERNAL_QUERIES: x.external_queries,
-        sn.ENGINE_EXTERNAL_HITS: x.external_hits,
-        sn.ENGINE_OFFLOAD_STORE_BYTES: x.offload_store_bytes,
-        sn.ENGINE_OFFLOAD_LOAD_BYTES: x.offload_load_bytes,
-        sn.ENGINE_GENERATION_TOKENS: x.generation_tokens,
-    }
-    out = {k: v for k, v in names.items() if v is not None}
-    for r in x.tiers:
-        if r.quantity in TIER_COUNTERS:
-            out[f"{sn.ENGINE_TIER}{r.source}:{r.tier}:{r.quantity}:{r.unit}"] = r.value
-    return out
 
 
 class EngineTaps:
@@ -279,16 +254,19 @@ class EngineTaps:
     def sample(self, tracked: Iterable[Tracked], now: float) -> None:
         tracked = list(tracked)
         by_pid = {t.pid: t for t in tracked if t.exited_at is None}
-        sleeping: dict[str, float] = {}
+        owners: dict[str, EngineState] = {}
         for t in tracked:
-            sleeping.update(self._add_owner_series(t, now))
+            state = self._observe_owner(t, now)
+            if state is not None:
+                owners[t.key] = state
         copies: dict[str, list[float]] = {}  # owner -> d2h, h2d bytes, members probed, members shed
         for t in tracked:  # the engine's other processes learn what their server says of it
-            owner = self.tapped_owner(t, by_pid)
+            owner = self.tapped_owner(t, by_pid) if t.exited_at is None else None
             if owner is None:
+                t.engine_state = NO_ENGINE
                 continue
-            if t.exited_at is None:
-                t.series.set_gauges({sn.ENGINE_TREE_TAPPED: 1.0, sn.ENGINE_SLEEPING: sleeping.get(owner, 0.0)})
+            own = owners.get(owner, EngineState(tapped=True))
+            t.engine_state = own if t.key == owner else EngineState(tapped=True, sleeping=own.sleeping)
             if sn.CUDA_COPY_D2H_BYTES in t.series.series:
                 acc = copies.setdefault(owner, [0.0, 0.0, 0.0, 0.0])
                 acc[0] += t.series.last(sn.CUDA_COPY_D2H_BYTES)
@@ -302,32 +280,34 @@ class EngineTaps:
                 t.series.add(now, {sn.ENGINE_TREE_COPY_D2H_BYTES: d2h, sn.ENGINE_TREE_COPY_H2D_BYTES: h2d})
                 self.copy_probes[t.key] = probed > 0 and shed == 0
 
-    def _add_owner_series(self, t: Tracked, now: float) -> dict[str, float]:
-        """A tapped process's own series; returns {its key: sleeping} when it has a scrape."""
+    def _observe_owner(self, t: Tracked, now: float) -> EngineState | None:
+        """A tapped process's stream and scrape observations; its engine's gauges (None: not tapped)."""
         p = self._planned.get(t.key)
         if p is None or p.plan is None:
-            return {}
+            return None
         streams = self._streams_of(t.key)
-        gauges: dict[str, float] = {}
         if streams:
             values, gauges = stream_series(streams)
             t.series.add(now, values)
+            t.series.set_gauges(gauges)
             t.tenants.add(now, self.tenants.pool(t.key, streams))
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None
-        if sample is not None:
-            if sample.at > p.sample_at:
-                p.sample_at = sample.at
-                t.series.add(sample.at, sample_series(sample))
-            fresh = now - sample.at <= 3 * self.config.scrape_interval_seconds
-            gauges[sn.ENGINE_METRICS_FRESH] = float(fresh)
-            if sample.usage is not None and fresh:
-                gauges[sn.ENGINE_KV_USAGE] = sample.usage
-            gauges[sn.ENGINE_KV_POOL_BLOCKS] = sample.pool_blocks if sample.pool_blocks is not None and fresh else 0.0
-            gauges[sn.ENGINE_SLEEPING] = float(bool(sample.sleeping) and fresh)
-        if gauges:
-            t.series.set_gauges(gauges)
-        return {t.key: gauges.get(sn.ENGINE_SLEEPING, 0.0)}
+        if sample is None:
+            return EngineState(tapped=True)
+        if sample.at > p.sample_at:  # a new scrape: its counters at its own time
+            p.sample_at = sample.at
+            t.engine.add(sample.at, {ENGINE: scrape_counts(sample)})
+            t.engine_tiers.add(sample.at, tier_counts(sample.tiers))
+        fresh = now - sample.at <= 3 * self.config.scrape_interval_seconds
+        return EngineState(
+            tapped=True,
+            sleeping=bool(sample.sleeping) and fresh,
+            fresh=fresh,
+            usage=sample.usage if fresh else None,
+            pool_blocks=sample.pool_blocks if sample.pool_blocks is not None and fresh else 0.0,
+            scrape=sample,
+        )
 
     def view(self, t: Tracked) -> EngineView | None:
         """What the taps know of the process (its ratios over windows are the snapshot's to add)."""

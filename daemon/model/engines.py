@@ -202,9 +202,6 @@ class TierReading:
     value: float
 
 
-TIER_COUNTERS = frozenset({"stored", "loaded", "evicted", "queried", "hit"})
-
-
 @dataclass(frozen=True, slots=True)
 class LatencyReading:
     """One of an engine's latency histograms, cumulative, as the engine counts it

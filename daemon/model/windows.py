@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.model.cuda import AllocatorCounts
+from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState, ScrapeCounts
 from kvwatch.daemon.model.engines import AuditRow, TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
@@ -27,6 +28,8 @@ class ProcessWindow:
     transfers: History[TransferCounts] = field(default_factory=lambda: History(TransferCounts))  # by library
     in_flight: TransfersInFlight = NONE_IN_FLIGHT  # the transfers not completed yet
     allocator: History[AllocatorCounts] = field(default_factory=lambda: History(AllocatorCounts))  # CUDA
+    engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))  # its /metrics
+    engine_state: EngineState = NO_ENGINE  # the engine's gauges, and whether it is tapped
 
 
 @dataclass(frozen=True, slots=True)

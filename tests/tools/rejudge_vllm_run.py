@@ -21,7 +21,9 @@ from typing import Any
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
 from kvwatch.daemon.engines.metrics import parse_exposition
+from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, ScrapeCounts, scrape_counts
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -100,7 +102,7 @@ def main() -> None:
         for p in jsonl(c)
     ]
     stream = Stream([(sub_t0 + b["t"], b["ts"], b["ev"]) for b in jsonl(c2 / "stream.jsonl.gz")])
-    det, s = EvictionBurst(cfg), SeriesSet(120.0)
+    det, s, engine, state = EvictionBurst(cfg), SeriesSet(120.0), History(ScrapeCounts, 120.0), NO_ENGINE
     start, t, pi, scraped, firing = marks["vllm_start"] + 5, marks["vllm_start"] + 5, 0, -1e9, False
     while t < marks["closure"]:
         s.add(t, stream.until(t))
@@ -110,10 +112,10 @@ def main() -> None:
                 pi += 1
             if pages[pi][0] <= t:
                 smp = parse_exposition(pages[pi][1], at=t)
-                s.add(t, smp.counters())
-                gauges = {"engine_metrics_fresh": 1.0, "engine_sleeping": float(bool(smp.sleeping))}
-                s.set_gauges({**gauges, **({"engine_kv_usage": smp.usage} if smp.usage is not None else {})})
-        window = ProcessWindow(Subject("engine", {"pid": "api_server"}), t - start + 5, s)
+                engine.add(t, {ENGINE: scrape_counts(smp)})
+                state = EngineState(True, bool(smp.sleeping), True, smp.usage, scrape=smp)
+        subject = Subject("engine", {"pid": "api_server"})
+        window = ProcessWindow(subject, t - start + 5, s, engine=engine, engine_state=state)
         for f in det.evaluate(NodeView(t, {"engine": window}, {})):
             if f.firing != firing:
                 print(describe(f, t, marks))

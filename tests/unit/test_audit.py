@@ -14,7 +14,8 @@ from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
 from kvwatch.daemon.engines.audit import AuditSettings, Evidence, ProcessAudit, divergence, diverges
 from kvwatch.daemon.engines.metrics import parse_exposition
-from kvwatch.daemon.model.engines import AuditRow
+from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState
+from kvwatch.daemon.model.engines import AuditRow, EngineSample
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.series import CounterSeries, SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
@@ -44,6 +45,7 @@ def feed(
     s = SeriesSet()
     audit = ProcessAudit(SETTINGS)
     rows = []
+    engine = NO_ENGINE
     blocks_per_second = bytes_per_second / REAL_BLOCK_BYTES
     for t in range(seconds):
         blocks = int(blocks_per_second * t)
@@ -54,10 +56,11 @@ def feed(
             "kv_batches_lost": float(lost_at is not None and t >= lost_at),
         }
         if t % scrape_every == 0:
-            values["engine_offload_store_bytes"] = int(blocks * engine_share) * float(REAL_BLOCK_BYTES)
-            values["engine_offload_load_bytes"] = 0.0
+            stored = int(blocks * engine_share) * float(REAL_BLOCK_BYTES)
+            sample = EngineSample(float(t), offload_store_bytes=stored, offload_load_bytes=0.0)
+            engine = EngineState(tapped=True, fresh=True, scrape=sample)
         s.add(float(t), values)
-        rows.append(audit.update(s, evidence, float(t)))
+        rows.append(audit.update(s, engine, evidence, float(t)))
     return audit, rows
 
 
@@ -123,9 +126,10 @@ def test_resident_blocks_bound() -> None:
     audit = ProcessAudit(SETTINGS)
     rows: tuple[AuditRow, ...] = ()
     for t, resident in enumerate([500.0] * 11 + [2600.0] * 11):
-        s.set_gauges({"engine_kv_pool_blocks": 2048.0, "kv_resident_blocks:GPU": resident})
+        s.set_gauges({"kv_resident_blocks:GPU": resident})
         s.add(float(t), {"kv_batches_lost": 0.0})
-        rows = audit.update(s, Evidence(), float(t)) or rows
+        engine = EngineState(tapped=True, fresh=True, scrape=EngineSample(float(t), pool_blocks=2048.0))
+        rows = audit.update(s, engine, Evidence(), float(t)) or rows
         if t == 10:
             r = by_pair(rows)["resident_blocks"]
             assert not r.diverged and (r.engine, r.kvwatch) == (2048.0, 500.0)
@@ -179,6 +183,7 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
     judged: list[AuditRow] = []
     firing: list[bool] = []
     cpu_stored, b, p = 0, 0, 0
+    engine = NO_ENGINE
     t = batches[0][0]
     while t <= batches[-1][0] + 1.0:
         while b < len(batches) and batches[b][0] <= t:
@@ -187,10 +192,10 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
         while p < len(pages) and pages[p][0] <= t:
             sample = pages[p][1]
             assert sample.offload_store_bytes is not None
-            s.add(pages[p][0], {"engine_offload_store_bytes": sample.offload_store_bytes})
+            engine = EngineState(tapped=True, fresh=True, scrape=sample)
             p += 1
         s.add(t, {"kv_physical_stored_blocks:CPU": float(cpu_stored), "kv_batches_lost": 0.0})
-        rows = audit.update(s, Evidence(block_bytes=REAL_BLOCK_BYTES), t)
+        rows = audit.update(s, engine, Evidence(block_bytes=REAL_BLOCK_BYTES), t)
         found = det.evaluate(_window(rows))
         if rows and (not judged or rows[0].window != judged[-1].window):
             judged.append(rows[0])

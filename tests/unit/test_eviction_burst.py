@@ -9,7 +9,10 @@ import pytest
 from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
+from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, ScrapeCounts
+from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -27,9 +30,12 @@ CFG = EvictionBurstConfig(
 class Engine:
     """Cumulative counters of one simulated engine, fed one second at a time."""
 
-    series: SeriesSet = field(default_factory=SeriesSet)
+    series: SeriesSet = field(default_factory=SeriesSet)  # the KV event stream's
+    engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))  # its /metrics
+    state: EngineState = NO_ENGINE
     t: float = 0.0
     c: dict[str, float] = field(default_factory=dict)
+    e: dict[str, float] = field(default_factory=dict)
     usage: float | None = 0.5
     sleeping: bool = False
     stream: bool = True  # KV events (else only engine counters)
@@ -53,34 +59,31 @@ class Engine:
         ext_hit: float = 0.5,
     ) -> None:
         self.t += 1
-        add = self.c.__setitem__
-        get = self.c.get
+        add, get = self.c.__setitem__, self.c.get
+        count = lambda name, n: self.e.__setitem__(name, self.e.get(name, 0) + n)  # noqa: E731
         if self.stream:
             add("kv_removed_blocks:GPU", get("kv_removed_blocks:GPU", 0) + removed)
             add("kv_removed_young:GPU", get("kv_removed_young:GPU", 0) + young)
             add("kv_stored_blocks:GPU", get("kv_stored_blocks:GPU", 0) + removed)
             add("kv_cleared", get("kv_cleared", 0) + cleared)
         if evicted_tokens is not None:
-            add("engine_evicted_tokens", get("engine_evicted_tokens", 0) + evicted_tokens)
+            count("evicted_tokens", evicted_tokens)
         if self.hits_exported:
-            add("engine_prefix_queries", get("engine_prefix_queries", 0) + queries)
-            add("engine_prefix_hits", get("engine_prefix_hits", 0) + queries * hit)
-        add("engine_preemptions", get("engine_preemptions", 0) + preempt)
+            count("prefix_queries", queries)
+            count("prefix_hits", queries * hit)
+        count("preemptions", preempt)
         if self.cpu:
             add("kv_removed_blocks:CPU", get("kv_removed_blocks:CPU", 0) + cpu_removed)
             add("kv_stored_blocks:CPU", get("kv_stored_blocks:CPU", 0) + cpu_removed)
         if self.external_hits:
-            add("engine_external_prefix_queries", get("engine_external_prefix_queries", 0) + ext_queries)
-            add("engine_external_prefix_hits", get("engine_external_prefix_hits", 0) + ext_queries * ext_hit)
+            count("external_queries", ext_queries)
+            count("external_hits", ext_queries * ext_hit)
         self.series.add(self.t, dict(self.c))
-        gauges = {"engine_metrics_fresh": 1.0, "engine_sleeping": float(self.sleeping)}
+        self.engine.add(self.t, {ENGINE: ScrapeCounts(**self.e)})
+        sample = EngineSample(self.t, usage=self.usage, sleeping=self.sleeping, **self.e)
+        self.state = EngineState(True, self.sleeping, True, self.usage, scrape=sample)
         if self.window_bounded:
-            gauges["kv_window_bounded:GPU"] = 1.0
-        if self.usage is not None:
-            gauges["engine_kv_usage"] = self.usage
-        self.series.set_gauges(gauges)
-        if self.usage is None:
-            self.series.gauges.pop("engine_kv_usage", None)
+            self.series.set_gauges({"kv_window_bounded:GPU": 1.0})
 
 
 class Run:
@@ -94,7 +97,10 @@ class Run:
         out = []
         for _ in range(n):
             self.eng.second(**kw)  # type: ignore[arg-type]
-            p = ProcessWindow(Subject("7@1", {"pid": "7", "engine": "vllm"}), self.eng.t, self.eng.series)
+            e = self.eng
+            p = ProcessWindow(
+                Subject("7@1", {"pid": "7", "engine": "vllm"}), e.t, e.series, engine=e.engine, engine_state=e.state
+            )
             f = self.det.evaluate(NodeView(self.eng.t, {"7@1": p}, {}))
             self.book.apply(f, self.eng.t)
             out += f

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvwatch.daemon.engines.exposition import DeadlineExceeded, PageError, parse_exposition
-from kvwatch.daemon.engines.taps import sample_series
+from kvwatch.daemon.model.engine_scrape import scrape_counts
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engine_metrics"
 
@@ -43,8 +43,8 @@ def test_vllm_offload_and_external_prefix_cache(flat: bool, labelled: bool) -> N
     s = parse_exposition(_offload_page(flat, labelled), at=1.0)
     assert (s.external_queries, s.external_hits) == (30_400, 4_800)
     assert (s.offload_store_bytes, s.offload_load_bytes) == (2_936_012_800, 157_286_400)  # never summed twice
-    c = sample_series(s)
-    assert c["engine_external_prefix_queries"] == 30_400 and c["engine_offload_load_bytes"] == 157_286_400
+    c = scrape_counts(s)
+    assert c.external_queries == 30_400 and c.offload_load_bytes == 157_286_400
 
 
 def test_real_vllm_026_page() -> None:

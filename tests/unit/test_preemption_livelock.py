@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from kvwatch.daemon.config import DetectorsConfig, PreemptionLivelockConfig
 from kvwatch.daemon.detectors.preemption_livelock import PreemptionLivelock
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
+from kvwatch.daemon.model.engine_scrape import ENGINE, EngineState, ScrapeCounts
+from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -21,7 +24,7 @@ SUBJECT = Subject("7@1", {"pid": "7", "engine": "vllm"})
 class Engine:
     """An engine's cumulative counters (its /metrics), fed one second at a time."""
 
-    series: SeriesSet = field(default_factory=SeriesSet)
+    engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))
     t: float = 0.0
     preempted: float = 0.0
     tokens: float = 0.0
@@ -30,8 +33,10 @@ class Engine:
         self.t += 1.0
         self.preempted += preempt
         self.tokens += tokens
-        self.series.add(self.t, {"engine_preemptions": self.preempted, "engine_generation_tokens": self.tokens})
-        window = ProcessWindow(SUBJECT, age=self.t, series=self.series)
+        self.engine.add(self.t, {ENGINE: ScrapeCounts(preemptions=self.preempted, generation_tokens=self.tokens)})
+        sample = EngineSample(self.t, preemptions=self.preempted, generation_tokens=self.tokens)
+        state = EngineState(tapped=True, fresh=True, scrape=sample)
+        window = ProcessWindow(SUBJECT, age=self.t, series=SeriesSet(), engine=self.engine, engine_state=state)
         (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f
 

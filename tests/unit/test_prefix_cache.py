@@ -13,7 +13,10 @@ from kvwatch.daemon.config import DetectorsConfig, PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.prefix_cache import PrefixCacheIneffective
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.engines.blocks import MediumBlocks
+from kvwatch.daemon.model.engine_scrape import ENGINE, EngineState, ScrapeCounts
+from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -29,7 +32,8 @@ class Engine:
 
     caching: bool = True  # False: every prefix is recomputed and its blocks stored again
     blocks: MediumBlocks = field(default_factory=lambda: MediumBlocks(100_000, 100_000))
-    series: SeriesSet = field(default_factory=SeriesSet)
+    series: SeriesSet = field(default_factory=SeriesSet)  # the KV event stream's
+    engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))  # its /metrics
     t: float = 0.0
     queried: float = 0.0
     hits: float = 0.0
@@ -60,15 +64,15 @@ class Engine:
         self.series.add(
             self.t,
             {
-                "engine_prefix_queries": self.queried,
-                "engine_prefix_hits": self.hits,
                 "kv_stored_blocks:GPU": m.stored,
                 "kv_regretted_blocks:GPU": m.regretted,
                 "kv_restored_blocks:GPU": m.restored,
                 "kv_cleared": self.cleared,
             },
         )
-        window = ProcessWindow(SUBJECT, age=self.t, series=self.series)
+        self.engine.add(self.t, {ENGINE: ScrapeCounts(prefix_queries=self.queried, prefix_hits=self.hits)})
+        state = EngineState(True, fresh=True, scrape=EngineSample(self.t, prefix_queries=self.queried))
+        window = ProcessWindow(SUBJECT, self.t, self.series, engine=self.engine, engine_state=state)
         (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f
 

@@ -6,6 +6,7 @@ from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.reuse_collapse import ALERT, GROWTH, ReuseCollapse, allocator_settings
 from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
+from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.series import SeriesSet
@@ -23,6 +24,7 @@ class Proc:
         self.t = 0.0
         self.age = age
         self.environ = environ or {}
+        self.engine = NO_ENGINE  # what the engine's server says of it (its sleep)
 
     def step(
         self,
@@ -54,7 +56,12 @@ class Proc:
         self.allocator.add(self.t, {CUDA: self.tot})
         self.series.add(self.t, {"gpu_device_total_bytes": 140e9})
         pw = ProcessWindow(
-            Subject("p", {"pid": "1"}), self.age + self.t, self.series, environ=self.environ, allocator=self.allocator
+            Subject("p", {"pid": "1"}),
+            self.age + self.t,
+            self.series,
+            environ=self.environ,
+            allocator=self.allocator,
+            engine_state=self.engine,
         )
         out = {f.alert: f for f in self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))}
         return out
@@ -140,11 +147,11 @@ def test_sleep_mode_release_and_remap_are_intentional() -> None:
     growth: the process warms up anew after waking."""
     p = Proc(cfg(quiet_after_sleep_seconds=6))
     run(p, 10)
-    p.series.set_gauges({"engine_sleeping": 1.0})
+    p.engine = EngineState(tapped=True, sleeping=True)
     for _ in range(3):
         f = p.step(allocs=0, frees=80, size=2 * MIB)
         assert not f[ALERT].firing and not f[GROWTH].firing  # type: ignore[attr-defined]
-    p.series.set_gauges({"engine_sleeping": 0.0})
+    p.engine = EngineState(tapped=True, sleeping=False)
     for _ in range(4):  # wake-up: 80 mappings a second, nothing freed
         f = p.step(allocs=80, frees=0, size=2 * MIB)
         assert not f[ALERT].firing and not f[GROWTH].firing  # type: ignore[attr-defined]

@@ -331,9 +331,10 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
     taps.sync(t.values())
     scraper.at = 1.0
     taps.sample(t.values(), 1.0)
-    assert t[500].series.gauge("engine_sleeping") == t[501].series.gauge("engine_sleeping") == 1.0
-    assert t[501].series.gauge("engine_tree_tapped") == 1.0
-    assert t[502].series.gauge("engine_sleeping") == t[502].series.gauge("engine_tree_tapped") == 0.0
+    assert t[500].engine_state.sleeping and t[501].engine_state.sleeping
+    assert t[500].engine_state.tapped and t[501].engine_state.tapped
+    assert t[500].engine_state.scrape is not None and t[501].engine_state.scrape is None  # the scrape is the owner's
+    assert not t[502].engine_state.sleeping and not t[502].engine_state.tapped
 
 
 def test_tenant_pool_is_the_folds_labels_and_adds_up() -> None:
