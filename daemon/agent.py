@@ -22,7 +22,7 @@ from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.bus import SnapshotBus
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.detectors.registry import Detector
-from kvwatch.daemon.engines.audit import Evidence, MetricAudit
+from kvwatch.daemon.engines.audit import AuditInputs, Evidence, MetricAudit
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.losses import account_losses, account_oom
 from kvwatch.daemon.engines.taps import EngineTaps
@@ -300,8 +300,7 @@ class Agent:
             (
                 (
                     t.key,
-                    t.series,
-                    t.engine_state,
+                    AuditInputs(t.series, t.kv, t.kv_events, t.kv_state, t.engine_state),
                     Evidence(float(engines.copy_probes.get(t.key, False)), self.losses.exact_block_bytes(t.key)),
                 )
                 for t in self.tracker.tracked()
@@ -336,6 +335,9 @@ class Agent:
             allocator=t.allocator,
             engine=t.engine,
             engine_state=t.engine_state,
+            kv=t.kv,
+            kv_events=t.kv_events,
+            kv_state=t.kv_state,
         )
 
     def _detect(self, now: float) -> list[Finding]:

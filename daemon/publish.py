@@ -14,10 +14,11 @@ from dataclasses import dataclass, replace
 
 from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.transfer import TransferProcessState
-from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
+from kvwatch.daemon.model.cuda import CUDA
 from kvwatch.daemon.model.engine_scrape import ENGINE, TierCounts, tier_key
 from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import MediumCounts
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.snapshot import (
     AlertsView,
@@ -94,16 +95,18 @@ def _keyed_rates(s: SeriesSet, prefix: str) -> dict[str, float]:
     return {n[len(prefix) :]: v for n, v in s.rates(names, RATE_WINDOW).items()}
 
 
-def process_rates(s: SeriesSet, allocator: History[AllocatorCounts]) -> ProcessRates:
+def process_rates(t: Tracked) -> ProcessRates:
+    s = t.series
     fixed = (sn.PAGE_FREE_PAGES, sn.DIRECT_RECLAIM_SECONDS, sn.MEMCG_RECLAIM_SECONDS, sn.XFER_BYTES)
     r = s.rates(fixed, RATE_WINDOW)
-    cuda, dt = allocator.delta(CUDA, RATE_WINDOW)
+    cuda, dt = t.allocator.delta(CUDA, RATE_WINDOW)
     per_second = 1.0 / dt if dt > 0 else 0.0
     lost: dict[tuple[str, str], float] = {}
     for key, v in _keyed_rates(s, sn.KV_LOST_BYTES).items():  # "tier:cause"
         tier, sep, cause = key.partition(":")
         if sep:
             lost[(tier, cause)] = v
+    removed, regretted = kv_rates(t.kv)
     return ProcessRates(
         page_free_pages=r[sn.PAGE_FREE_PAGES],
         direct_reclaim_seconds=r[sn.DIRECT_RECLAIM_SECONDS],
@@ -113,21 +116,31 @@ def process_rates(s: SeriesSet, allocator: History[AllocatorCounts]) -> ProcessR
         cuda_alloc_bytes=cuda.alloc_bytes * per_second,
         cuda_freed_bytes=cuda.freed_bytes * per_second,
         xfer_bytes=r[sn.XFER_BYTES],
-        kv_removed_blocks=_keyed_rates(s, sn.KV_REMOVED),
-        kv_regretted_blocks=_keyed_rates(s, sn.KV_REGRETTED),
+        kv_removed_blocks=removed,
+        kv_regretted_blocks=regretted,
         kv_lost_bytes=lost,
     )
 
 
-def regret_ratios(s: SeriesSet, media: Sequence[str], window: float) -> dict[str, float]:
+def regret_ratios(kv: History[MediumCounts], media: Sequence[str], window: float) -> dict[str, float]:
     """Per medium with removals over the window: blocks stored again after their removal,
     over blocks removed, both over the window."""
     out = {}
     for medium in sorted(media):
-        removed = s.delta(f"{sn.KV_REMOVED}{medium}", window)
-        if removed > 0:
-            out[medium] = s.delta(f"{sn.KV_REGRETTED}{medium}", window) / removed
+        d, _ = kv.delta(medium, window)
+        if d.removed > 0:
+            out[medium] = d.regretted / d.removed
     return out
+
+
+def kv_rates(kv: History[MediumCounts]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per medium, blocks removed and regretted a second over the rate window."""
+    removed, regretted = {}, {}
+    for medium in kv:
+        d, dt = kv.delta(medium, RATE_WINDOW)
+        removed[medium] = d.removed / dt if dt > 0 else 0.0
+        regretted[medium] = d.regretted / dt if dt > 0 else 0.0
+    return removed, regretted
 
 
 def engine_view(
@@ -145,7 +158,7 @@ def engine_view(
     return replace(
         view,
         hit_ratio=engine.prefix_hits / q if q > 0 else None,
-        regret_ratio=regret_ratios(t.series, sorted(media), window),
+        regret_ratio=regret_ratios(t.kv, sorted(media), window),
         tier_hit_ratio=tier_hit_ratios(t.engine_tiers, view.tiers, window),
         block_bytes=size,
         block_bytes_source=source,
@@ -200,7 +213,7 @@ def _process_view(t: Tracked, parts: ProcessParts) -> ProcessView:
         source=t.proc.source,
         alive=t.exited_at is None,
         memory=memory_counters(t.series),
-        rates=process_rates(t.series, t.allocator),
+        rates=process_rates(t),
         gpu_used_bytes=parts.gpu_used.get(t.pid),
         cuda=parts.cuda(t.pid),
         transfers=transfer_view(parts.transfers(t.pid), t.transfers),

@@ -88,47 +88,8 @@ UPROBE_COST_RATIO = _declare(
 _XFER = "families.transfer"
 XFER_BYTES = _declare("xfer_bytes", COUNTER, _XFER, ("publish",), "bytes moved by every transfer library")
 
-# --- the engine's KV event stream (engines.taps): logical counts per medium, "+ medium" ---------------------
-_TAPS = "engines.taps"
-KV_STORED = _declare(
-    "kv_stored_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "blocks stored (the reference group's)"
-)
-KV_REMOVED = _declare("kv_removed_blocks:", COUNTER, _TAPS, ("detectors.eviction_burst", "publish"), "blocks evicted")
-KV_REMOVED_YOUNG = _declare(
-    "kv_removed_young:", COUNTER, _TAPS, ("detectors.eviction_burst",), "evicted soon after being stored"
-)
-KV_REGRETTED = _declare(
-    "kv_regretted_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache", "publish"), "stored again after eviction"
-)
-KV_RESTORED = _declare(
-    "kv_restored_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "stored again while still held"
-)
-KV_ANNOUNCED = _declare(
-    "kv_announced_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "held blocks re-announced (prefix hits)"
-)
-KV_ANNOUNCED_TOKENS = _declare(
-    "kv_announced_tokens:", COUNTER, _TAPS, ("detectors.prefix_cache",), "the hit tokens those stand for"
-)
-KV_PHYSICAL_STORED = _declare(
-    "kv_physical_stored_blocks:", COUNTER, _TAPS, ("engines.audit",), "blocks stored, every KV cache group's"
-)
-KV_WINDOW_BOUNDED = _declare(
-    "kv_window_bounded:", GAUGE, _TAPS, ("detectors.eviction_burst",), "1: the reference group keeps a window only"
-)
-KV_WINDOW_REGRETTED = _declare(
-    "kv_window_regretted_blocks:", COUNTER, _TAPS, ("detectors.prefix_cache",), "a hybrid's first window group's"
-)
-KV_RESIDENT = _declare("kv_resident_blocks:", GAUGE, _TAPS, ("engines.audit",), "blocks held now, every group's")
-KV_CLEARED = _declare(
-    "kv_cleared",
-    COUNTER,
-    _TAPS,
-    ("detectors.base",),  # cleared_on_purpose, for the KV detectors
-    "AllBlocksCleared events",
-)
-KV_BATCHES_LOST = _declare("kv_batches_lost", COUNTER, _TAPS, ("engines.audit",), "batches missed and not replayed")
-
 # --- the engine's processes, summed on the tapped one (engines.taps) -------------------------------------------
+_TAPS = "engines.taps"
 ENGINE_TREE_COPY_D2H_BYTES = _declare(
     "engine_tree_copy_d2h_bytes", COUNTER, _TAPS, ("engines.audit",), "device-to-host copies of the engine's processes"
 )

@@ -21,6 +21,7 @@ from kvwatch.daemon.model.cuda import AllocatorCounts
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState, ScrapeCounts, TierCounts
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import NO_STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.transfers import NONE_IN_FLIGHT, TransferCounts, TransfersInFlight
 
@@ -52,6 +53,9 @@ class Tracked:
     engine: History[ScrapeCounts] = field(init=False)  # its engine's /metrics counters (the taps', tapped only)
     engine_tiers: History[TierCounts] = field(init=False)  # its engine's tier counters, by tier_key
     engine_state: EngineState = NO_ENGINE  # its engine's gauges this tick (the taps')
+    kv: History[MediumCounts] = field(init=False)  # its KV event streams' counts by medium (the taps')
+    kv_events: History[StreamEvents] = field(init=False)  # ... stream-wide, under STREAM
+    kv_state: KVState = NO_STREAM  # ... and gauges
 
     def __post_init__(self) -> None:
         self.tenants = History(TenantCounts, self.series.horizon)
@@ -59,6 +63,8 @@ class Tracked:
         self.allocator = History(AllocatorCounts, self.series.horizon)
         self.engine = History(ScrapeCounts, self.series.horizon)
         self.engine_tiers = History(TierCounts, self.series.horizon)
+        self.kv = History(MediumCounts, self.series.horizon)
+        self.kv_events = History(StreamEvents, self.series.horizon)
 
     @property
     def key(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
+from kvwatch.daemon.model.kv_counts import STREAM
 from kvwatch.daemon.model.windows import ProcessWindow
 
 
@@ -82,4 +82,4 @@ def cleared_on_purpose(p: ProcessWindow, window: float) -> bool:
     """The engine dropped its KV cache on purpose within ``window``: an AllBlocksCleared (a prefix
     cache reset, a sleep) or asleep now. What is evicted or missed then is intended, not thrash:
     the KV detectors judge nothing of such a window."""
-    return p.series.delta(sn.KV_CLEARED, window) > 0 or p.engine_state.sleeping
+    return p.kv_events.delta(STREAM, window)[0].cleared > 0 or p.engine_state.sleeping

@@ -3,7 +3,7 @@
 Per process and KV medium, over a trailing window:
 
 * eviction rate — blocks removed per second from vLLM's KV event stream
-  (``kv_removed_blocks:MEDIUM``); without a stream, the engine's own counters
+  (``MediumCounts.removed``); without a stream, the engine's own counters
   (SGLang ``evicted_tokens`` → GPU, in tokens; LMCache CPU evicted keys → CPU);
 * hot when the rate is at least max(factor x baseline, floor) — or, for the GPU pool, the
   engine's preemptions at least max(factor x their baseline, ``thrash_preemptions_per_second``):
@@ -65,6 +65,7 @@ from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.engine_scrape import ENGINE, ScrapeCounts, exports
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.kv_counts import MediumCounts
 from kvwatch.daemon.model.windows import ProcessWindow
 
 ALERT = "KVEvictionBurst"
@@ -92,11 +93,18 @@ SPECS = (
         ),
     ),
 )
-STREAM_PREFIX = sn.KV_REMOVED
 MEDIUM_ORDER = {"GPU": 0, "CPU": 1}  # the engine's own pool first, then its first offload tier
 
 
 Count = Callable[[ProcessWindow, float], tuple[float, float]]  # a counter's increase over a window, and its seconds
+
+
+def _kv(get: Callable[[MediumCounts], float], medium: str) -> Count:
+    def count(p: ProcessWindow, window: float) -> tuple[float, float]:
+        d, seconds = p.kv.delta(medium, window)
+        return get(d), seconds
+
+    return count
 
 
 def _series(name: str) -> Count:
@@ -149,21 +157,18 @@ def _hit_counts(p: ProcessWindow, medium: str) -> tuple[Count | None, Count | No
 def sources(p: ProcessWindow) -> list[Source]:
     """Every medium this process reports evictions for, in a fixed order (GPU, CPU, the rest
     by name): the order, not the timing of a tick, decides which medium names an alert."""
-    s = p.series
     out: list[Source] = []
-    for name in s.series:
-        if name.startswith(STREAM_PREFIX):
-            m = name[len(STREAM_PREFIX) :]
-            bounded = s.gauge(f"{sn.KV_WINDOW_BOUNDED}{m}") >= 1
-            removed = _series(name)
-            young = None if bounded else _series(f"{sn.KV_REMOVED_YOUNG}{m}")
-            out.append(Source(m, removed, "blocks", young, removed, *_hit_counts(p, m), window_bounded=bounded))
+    for m in p.kv:
+        bounded = m in p.kv_state.window_bounded
+        removed = _kv(lambda d: d.removed, m)
+        young = None if bounded else _kv(lambda d: d.removed_young, m)
+        out.append(Source(m, removed, "blocks", young, removed, *_hit_counts(p, m), window_bounded=bounded))
     media = {x.medium for x in out}
     if "GPU" not in media and exports(p.engine_state, lambda x: x.evicted_tokens):
         out.append(Source("GPU", _engine(lambda d: d.evicted_tokens), "tokens", None, None, *_hit_counts(p, "GPU")))
     if "CPU" not in media and exports(p.engine_state, lambda x: x.lmcache_evicted_keys):
         out.append(Source("CPU", _engine(lambda d: d.lmcache_evicted_keys), "keys", None, None, *_hit_counts(p, "CPU")))
-    if not out and sn.CUDA_COPY_D2H_BYTES in s.series and not p.engine_state.tapped:
+    if not out and sn.CUDA_COPY_D2H_BYTES in p.series.series and not p.engine_state.tapped:
         # no engine data at all: the OS-side view — KV stored to host and loaded back, both
         # far above their baseline, is the store-then-reload churn of evicted hot blocks
         d2h, h2d = _series(sn.CUDA_COPY_D2H_BYTES), _series(sn.CUDA_COPY_H2D_BYTES)

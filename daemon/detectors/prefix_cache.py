@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import PrefixCacheIneffectiveConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose
 from kvwatch.daemon.detectors.per_process import ProcessDetector
@@ -70,9 +69,7 @@ SPECS = (
         page_on='cause="not_hit"',
     ),
 )
-STORED, REGRETTED, RESTORED = f"{sn.KV_STORED}GPU", f"{sn.KV_REGRETTED}GPU", f"{sn.KV_RESTORED}GPU"
-WINDOW_REGRETTED = f"{sn.KV_WINDOW_REGRETTED}GPU"
-ANNOUNCED, ANNOUNCED_TOKENS = f"{sn.KV_ANNOUNCED}GPU", f"{sn.KV_ANNOUNCED_TOKENS}GPU"
+GPU = "GPU"  # the engine's own pool: the medium its prefix-cache counters describe
 
 
 @dataclass(slots=True)
@@ -86,23 +83,24 @@ class PrefixCacheIneffective(ProcessDetector[PrefixCacheIneffectiveConfig, _Stat
     name = ALERT
 
     def applies(self, p: ProcessWindow) -> bool:
-        return STORED in p.series.series and exports(p.engine_state, lambda x: x.prefix_queries)
+        return GPU in p.kv and exports(p.engine_state, lambda x: x.prefix_queries)
 
     def new_state(self) -> _State:
         c = self.config
         return _State(Hysteresis(c.confirm_windows, c.clear_windows), Baseline(c.baseline_half_life_seconds))
 
     def judge(self, key: str, st: _State, p: ProcessWindow, now: float) -> Finding:
-        c, s, w = self.config, p.series, self.config.window_seconds
+        c, w = self.config, self.config.window_seconds
         engine, _ = p.engine.delta(ENGINE, w)
-        queried, hits, stored = engine.prefix_queries, engine.prefix_hits, s.delta(STORED, w)
-        restored, regretted = s.delta(RESTORED, w), s.delta(REGRETTED, w)
+        kv, _ = p.kv.delta(GPU, w)
+        queried, hits, stored = engine.prefix_queries, engine.prefix_hits, kv.stored
+        restored, regretted = kv.restored, kv.regretted
         # held blocks stored again from a request's first block are hit announcements only as far
         # as the engine's hits cover them; the rest were computed again: stored while held
-        ann, ann_tokens = s.delta(ANNOUNCED, w), s.delta(ANNOUNCED_TOKENS, w)
+        ann, ann_tokens = kv.announced, kv.announced_tokens
         again = ann * max(0.0, 1.0 - hits / ann_tokens) if ann_tokens > 0 else 0.0
         stored, restored = stored + again, restored + again
-        window_lost = min(restored, s.delta(WINDOW_REGRETTED, w)) if WINDOW_REGRETTED in s.series else 0.0
+        window_lost = min(restored, kv.window_regretted)  # a hybrid model's window group: 0 without one
         restored, regretted = restored - window_lost, regretted + window_lost
         ratio = hits / queried if queried > 0 else 0.0
         share = restored / stored if stored > 0 else 0.0

@@ -38,13 +38,47 @@ from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.model.engine_scrape import EngineState
 from kvwatch.daemon.model.engines import AuditRow, EngineSample
+from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
 COPY_PROBES = "copy_probes"  # evidence: the engine's processes have their copy probes attached
 BLOCK_BYTES = "block_bytes"  # evidence: bytes of one block, where configured or learnt from a divisor
-RESIDENT_GPU = f"{sn.KV_RESIDENT}GPU"  # gauge
-LOST_BATCHES = sn.KV_BATCHES_LOST  # series
+
+
+@dataclass(frozen=True, slots=True)
+class AuditInputs:
+    """One engine process's readings this tick: kvwatch's evidence and the engine's last scrape."""
+
+    series: SeriesSet  # the engine tree's copy sums (engine_tree_copy_*)
+    kv: History[MediumCounts]  # its KV event streams, by medium
+    kv_events: History[StreamEvents]
+    kv_state: KVState
+    engine: EngineState
+
+    def lost(self) -> float:
+        return self.kv_events.last(STREAM).batches_lost
+
+
+Reading = Callable[[AuditInputs, float], float | None]  # kvwatch's cumulative count at a time (None: unknown)
+
+
+def _copies(name: str) -> Reading:
+    def read(x: AuditInputs, t: float) -> float | None:
+        s = x.series.series.get(name)
+        return s.value_at(t) if s is not None else None
+
+    return read
+
+
+def _cpu_stored(x: AuditInputs, t: float) -> float | None:
+    c = x.kv.at("CPU", t)
+    return c.physical_stored if c is not None else None
+
+
+def _resident_gpu(x: AuditInputs, _t: float) -> float | None:
+    return x.kv_state.resident_gpu if x.kv else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +88,10 @@ class Pair:
     relation: str
     engine: Callable[[EngineSample], float | None]  # the engine's counter (a gauge pair: read fresh only)
     engine_source: str
-    kvwatch: str
+    kvwatch: Reading
     kvwatch_source: str
     requires: tuple[str, ...] = ()  # evidence that must be > 0 through the window (``Evidence``)
-    scale: str = ""  # evidence multiplying the kvwatch series (a block count into bytes)
+    scale: str = ""  # evidence multiplying kvwatch's count (a block count into bytes)
     stream: bool = False  # kvwatch's side is the KV event stream: no batch lost in the window
     gauge: bool = False
 
@@ -69,7 +103,7 @@ PAIRS = (
         EQUAL,
         lambda x: x.offload_store_bytes,
         "vllm:kv_offload_store_bytes",
-        sn.ENGINE_TREE_COPY_D2H_BYTES,
+        _copies(sn.ENGINE_TREE_COPY_D2H_BYTES),
         "device-to-host copy probes",
         requires=(COPY_PROBES,),
     ),
@@ -79,7 +113,7 @@ PAIRS = (
         AT_MOST,
         lambda x: x.offload_load_bytes,
         "vllm:kv_offload_load_bytes",
-        sn.ENGINE_TREE_COPY_H2D_BYTES,
+        _copies(sn.ENGINE_TREE_COPY_H2D_BYTES),
         "host-to-device copy probes",
         requires=(COPY_PROBES,),
     ),
@@ -89,7 +123,7 @@ PAIRS = (
         EQUAL,
         lambda x: x.offload_store_bytes,
         "vllm:kv_offload_store_bytes",
-        f"{sn.KV_PHYSICAL_STORED}CPU",
+        _cpu_stored,
         "KV event stream CPU blocks stored (every KV cache group) x block size",
         requires=(BLOCK_BYTES,),
         scale=BLOCK_BYTES,
@@ -101,7 +135,7 @@ PAIRS = (
         AT_MOST,
         lambda x: x.pool_blocks,
         "vllm:cache_config_info num_gpu_blocks",
-        RESIDENT_GPU,
+        _resident_gpu,
         "KV event stream GPU blocks resident (every KV cache group)",
         stream=True,
         gauge=True,
@@ -167,7 +201,8 @@ class ProcessAudit:
         self.settings = settings
         self._pairs: dict[str, _PairState] = {p.name: _PairState() for p in PAIRS}
 
-    def update(self, series: SeriesSet, engine: EngineState, evidence: Evidence, now: float) -> tuple[AuditRow, ...]:
+    def update(self, x: AuditInputs, evidence: Evidence, now: float) -> tuple[AuditRow, ...]:
+        engine = x.engine
         for pair in PAIRS:
             st = self._pairs[pair.name]
             if not all(evidence.get(e) > 0 for e in pair.requires):
@@ -176,20 +211,20 @@ class ProcessAudit:
             if engine.scrape is None:
                 continue
             if pair.gauge:
-                self._gauge_pair(pair, st, series, engine, now)
+                self._gauge_pair(pair, st, x, now)
             else:
-                self._counter_pair(pair, st, series, engine.scrape, evidence.get(pair.scale) if pair.scale else 1.0)
+                self._counter_pair(pair, st, x, engine.scrape, evidence.get(pair.scale) if pair.scale else 1.0)
         return tuple(st.row for st in self._pairs.values() if st.row is not None)
 
-    def _counter_pair(self, pair: Pair, st: _PairState, series: SeriesSet, sample: EngineSample, scale: float) -> None:
-        e1, ks = pair.engine(sample), series.series.get(pair.kvwatch)
-        if e1 is None or ks is None:
+    def _counter_pair(self, pair: Pair, st: _PairState, x: AuditInputs, sample: EngineSample, scale: float) -> None:
+        e1 = pair.engine(sample)
+        if e1 is None:
             return
         t1 = sample.at  # the engine's newest scrape; kvwatch's side read at its time
-        k1 = ks.value_at(t1)
+        k1 = pair.kvwatch(x, t1)
         if k1 is None:
             return
-        lost = series.last(LOST_BATCHES) if pair.stream else 0.0
+        lost = x.lost() if pair.stream else 0.0
         o = st.open
         if o is None or e1 < o.engine0 or k1 < o.kvwatch0 or scale != o.scale or lost != o.lost0:
             st.open = _Open(t1, e1, k1, lost, scale)  # first sight, a restart, or evidence lost
@@ -199,12 +234,13 @@ class ProcessAudit:
         self._judge(pair, st, e1 - o.engine0, (k1 - o.kvwatch0) * scale, t1 - o.t0)
         st.open = _Open(t1, e1, k1, lost, scale)
 
-    def _gauge_pair(self, pair: Pair, st: _PairState, series: SeriesSet, state: EngineState, now: float) -> None:
+    def _gauge_pair(self, pair: Pair, st: _PairState, x: AuditInputs, now: float) -> None:
+        state = x.engine
         engine = pair.engine(state.scrape) if state.scrape is not None and state.fresh else None
-        kvwatch = series.gauges.get(pair.kvwatch)
+        kvwatch = pair.kvwatch(x, now)
         if engine is None or kvwatch is None or engine <= 0:
             return
-        lost = series.last(LOST_BATCHES)
+        lost = x.lost()
         o = st.open
         if o is None or lost != o.lost0:
             st.open = _Open(now, 0.0, 0.0, lost, 1.0)
@@ -245,15 +281,15 @@ class MetricAudit:
         self.rows: dict[str, tuple[AuditRow, ...]] = {}
 
     def update(
-        self, processes: Iterable[tuple[str, SeriesSet, EngineState, Evidence]], now: float
+        self, processes: Iterable[tuple[str, AuditInputs, Evidence]], now: float
     ) -> Mapping[str, tuple[AuditRow, ...]]:
         seen = set()
-        for key, series, engine, evidence in processes:
+        for key, inputs, evidence in processes:
             seen.add(key)
             audit = self._procs.get(key)
             if audit is None:
                 audit = self._procs[key] = ProcessAudit(self.settings)
-            self.rows[key] = audit.update(series, engine, evidence, now)
+            self.rows[key] = audit.update(inputs, evidence, now)
         for key in list(self._procs):
             if key not in seen:
                 del self._procs[key]

@@ -38,6 +38,7 @@ from kvwatch.daemon.model.engines import (
     groups_of,
     media_of,
 )
+from kvwatch.daemon.model.kv_counts import STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.tracker import Tracked
 
@@ -47,40 +48,40 @@ REPLAN_SECONDS = 30.0
 MAX_TREE_DEPTH = 8
 
 
-def stream_series(streams: Sequence[StreamStats]) -> tuple[dict[str, float], dict[str, float]]:
-    """A tapped process's KV event series (cumulative) and gauges, from the same sums over its
-    streams as the exporters' view (``media_of``, ``groups_of``)."""
-    values: dict[str, float] = {
-        sn.KV_CLEARED: float(sum(s.cleared for s in streams)),
-        sn.KV_BATCHES_LOST: float(sum(s.lost for s in streams)),
-    }
+def stream_observation(streams: Sequence[StreamStats]) -> tuple[dict[str, MediumCounts], StreamEvents, KVState]:
+    """A tapped process's KV event counts per medium, its stream-wide events and gauges, from
+    the same sums over its streams as the exporters' view (``media_of``, ``groups_of``)."""
+    events = StreamEvents(float(sum(s.cleared for s in streams)), float(sum(s.lost for s in streams)))
     groups = groups_of(streams)
-    resident = sum(g.totals.resident for g in groups if g.medium == "GPU")
-    gauges: dict[str, float] = {f"{sn.KV_RESIDENT}GPU": float(resident)}
-
-    def add(name: str, v: float) -> None:
-        values[name] = values.get(name, 0.0) + v
-
-    for medium, m in media_of(streams).items():  # logical: each medium's reference group
-        values[f"{sn.KV_STORED}{medium}"] = float(m.stored)
-        values[f"{sn.KV_REMOVED}{medium}"] = float(m.removed)
-        values[f"{sn.KV_REMOVED_YOUNG}{medium}"] = float(m.removed_young)
-        values[f"{sn.KV_REGRETTED}{medium}"] = float(m.regretted)
-        values[f"{sn.KV_RESTORED}{medium}"] = float(m.restored)
-        values[f"{sn.KV_ANNOUNCED}{medium}"] = float(m.announced)
-        values[f"{sn.KV_ANNOUNCED_TOKENS}{medium}"] = float(m.announced_tokens)
+    physical: dict[str, float] = {}
+    bounded: set[str] = set()
     window_group: dict[str, GroupTotals] = {}
     for g in groups:  # physical: every group's blocks
-        add(f"{sn.KV_PHYSICAL_STORED}{g.medium}", g.totals.stored)
+        physical[g.medium] = physical.get(g.medium, 0.0) + g.totals.stored
         if g.full:
             continue
         if g.reference:
-            gauges[f"{sn.KV_WINDOW_BOUNDED}{g.medium}"] = 1.0
+            bounded.add(g.medium)
         else:
             window_group.setdefault(g.medium, g)
-    for medium, g in window_group.items():  # a hybrid model's first window-bounded group
-        add(f"{sn.KV_WINDOW_REGRETTED}{medium}", g.totals.regretted)
-    return values, gauges
+    media: dict[str, MediumCounts] = {}
+    logical = media_of(streams)  # each medium's reference group
+    for medium in sorted(set(logical) | set(physical)):
+        m = logical.get(medium)
+        w = window_group.get(medium)
+        media[medium] = MediumCounts(
+            stored=float(m.stored) if m else 0.0,
+            removed=float(m.removed) if m else 0.0,
+            removed_young=float(m.removed_young) if m else 0.0,
+            regretted=float(m.regretted) if m else 0.0,
+            restored=float(m.restored) if m else 0.0,
+            announced=float(m.announced) if m else 0.0,
+            announced_tokens=float(m.announced_tokens) if m else 0.0,
+            physical_stored=physical.get(medium, 0.0),
+            window_regretted=float(w.totals.regretted) if w else 0.0,
+        )
+    resident = sum(g.totals.resident for g in groups if g.medium == "GPU")
+    return media, events, KVState(float(resident), frozenset(bounded))
 
 
 def plan_from_config(t: Tracked, ep: EngineEndpoint, cfg: EnginesConfig) -> EnginePlan:
@@ -287,9 +288,9 @@ class EngineTaps:
             return None
         streams = self._streams_of(t.key)
         if streams:
-            values, gauges = stream_series(streams)
-            t.series.add(now, values)
-            t.series.set_gauges(gauges)
+            media, events, t.kv_state = stream_observation(streams)
+            t.kv.add(now, media)
+            t.kv_events.add(now, {STREAM: events})
             t.tenants.add(now, self.tenants.pool(t.key, streams))
         st = self._scrape_of(t.key)
         sample = st.last if st is not None else None

@@ -67,3 +67,13 @@ class History(Generic[Obs]):
             return self._kind(), 0.0
         got = {n: s.delta(window) for n, s in zip(self._fields, series, strict=True)}
         return self._kind(**{n: inc for n, (inc, _) in got.items()}), got[self._fields[0]][1]
+
+    def at(self, key: str, t: float) -> Obs | None:
+        """The key's counts at time ``t``, linear between its observations; None outside them."""
+        series = self._series.get(key)
+        if series is None:
+            return None
+        values = [s.value_at(t) for s in series]
+        if any(v is None for v in values):
+            return None
+        return self._kind(**dict(zip(self._fields, values, strict=True)))

@@ -10,6 +10,7 @@ from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState, ScrapeCou
 from kvwatch.daemon.model.engines import AuditRow, TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import NO_STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.transfers import NONE_IN_FLIGHT, TransferCounts, TransfersInFlight
 from kvwatch.probes.records import HookStatus
@@ -30,6 +31,9 @@ class ProcessWindow:
     allocator: History[AllocatorCounts] = field(default_factory=lambda: History(AllocatorCounts))  # CUDA
     engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))  # its /metrics
     engine_state: EngineState = NO_ENGINE  # the engine's gauges, and whether it is tapped
+    kv: History[MediumCounts] = field(default_factory=lambda: History(MediumCounts))  # KV events by medium
+    kv_events: History[StreamEvents] = field(default_factory=lambda: History(StreamEvents))  # under STREAM
+    kv_state: KVState = NO_STREAM  # the KV event stream's gauges
 
 
 @dataclass(frozen=True, slots=True)

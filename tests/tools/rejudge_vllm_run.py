@@ -24,6 +24,7 @@ from kvwatch.daemon.engines.metrics import parse_exposition
 from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, ScrapeCounts, scrape_counts
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -41,38 +42,36 @@ class Stream:
 
     def __init__(self, batches: list[tuple[float, float, list[Any]]]) -> None:
         self.batches, self.i = batches, 0
-        self.tot = dict.fromkeys(
-            [f"kv_{w}:{m}" for w in ("stored_blocks", "removed_blocks", "removed_young") for m in ("GPU", "CPU")], 0.0
-        )
-        self.tot["kv_cleared"] = 0.0
+        self.tot = {m: dict.fromkeys(("stored", "removed", "removed_young"), 0.0) for m in ("GPU", "CPU")}
+        self.cleared = 0.0
         self.ages: dict[str, dict[int, float]] = {"GPU": {}, "CPU": {}}
 
-    def until(self, t: float) -> dict[str, float]:
+    def until(self, t: float) -> tuple[dict[str, MediumCounts], StreamEvents]:
         while self.i < len(self.batches) and self.batches[self.i][0] <= t:
             _, ts, evs = self.batches[self.i]
             for e in evs:
                 self._event(e, ts)
             self.i += 1
-        return dict(self.tot)
+        return {m: MediumCounts(**n) for m, n in self.tot.items()}, StreamEvents(cleared=self.cleared)
 
     def _event(self, e: list[Any], ts: float) -> None:
         if e[0] == "C":
-            self.tot["kv_cleared"] += 1
+            self.cleared += 1
             for a in self.ages.values():
                 a.clear()
             return
         medium, ages = e[1], self.ages[e[1]]
         if e[0] == "S":
-            self.tot[f"kv_stored_blocks:{medium}"] += len(e[2])
+            self.tot[medium]["stored"] += len(e[2])
             for h in e[2]:
                 ages.pop(h, None)
                 ages[h] = ts
             return
-        self.tot[f"kv_removed_blocks:{medium}"] += len(e[2])
+        self.tot[medium]["removed"] += len(e[2])
         for h in e[2]:
             at = ages.pop(h, None)
             if at is not None and at > ts - THRASH_SECONDS:
-                self.tot[f"kv_removed_young:{medium}"] += 1
+                self.tot[medium]["removed_young"] += 1
 
 
 def describe(f: Finding, t: float, marks: dict[str, float]) -> str:
@@ -102,10 +101,13 @@ def main() -> None:
         for p in jsonl(c)
     ]
     stream = Stream([(sub_t0 + b["t"], b["ts"], b["ev"]) for b in jsonl(c2 / "stream.jsonl.gz")])
-    det, s, engine, state = EvictionBurst(cfg), SeriesSet(120.0), History(ScrapeCounts, 120.0), NO_ENGINE
+    det, engine, state = EvictionBurst(cfg), History(ScrapeCounts, 120.0), NO_ENGINE
+    kv, kv_events = History(MediumCounts, 120.0), History(StreamEvents, 120.0)
     start, t, pi, scraped, firing = marks["vllm_start"] + 5, marks["vllm_start"] + 5, 0, -1e9, False
     while t < marks["closure"]:
-        s.add(t, stream.until(t))
+        media, events = stream.until(t)
+        kv.add(t, media)
+        kv_events.add(t, {STREAM: events})
         if t - scraped >= 2.0:
             scraped = t
             while pi + 1 < len(pages) and pages[pi + 1][0] <= t:
@@ -115,7 +117,9 @@ def main() -> None:
                 engine.add(t, {ENGINE: scrape_counts(smp)})
                 state = EngineState(True, bool(smp.sleeping), True, smp.usage, scrape=smp)
         subject = Subject("engine", {"pid": "api_server"})
-        window = ProcessWindow(subject, t - start + 5, s, engine=engine, engine_state=state)
+        window = ProcessWindow(
+            subject, t - start + 5, SeriesSet(), engine=engine, engine_state=state, kv=kv, kv_events=kv_events
+        )
         for f in det.evaluate(NodeView(t, {"engine": window}, {})):
             if f.firing != firing:
                 print(describe(f, t, marks))

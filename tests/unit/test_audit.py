@@ -12,11 +12,13 @@ import pytest
 
 from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
-from kvwatch.daemon.engines.audit import AuditSettings, Evidence, ProcessAudit, divergence, diverges
+from kvwatch.daemon.engines.audit import AuditInputs, AuditSettings, Evidence, ProcessAudit, divergence, diverges
 from kvwatch.daemon.engines.metrics import parse_exposition
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState
 from kvwatch.daemon.model.engines import AuditRow, EngineSample
 from kvwatch.daemon.model.findings import Subject
+from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import NO_STREAM, STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import CounterSeries, SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import REAL_BLOCK_BYTES
@@ -25,6 +27,11 @@ from tests.tools.vllm_run_fixtures import uncompact
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 MIB = 1 << 20
 SETTINGS = AuditSettings(window_seconds=10.0, tolerance=0.10, floor_bytes=64 * MIB)
+
+
+def inputs(copies: SeriesSet) -> AuditInputs:
+    """An engine process's readings: the tree's copy sums in ``copies``, its stream's counts empty."""
+    return AuditInputs(copies, History(MediumCounts), History(StreamEvents), NO_STREAM, NO_ENGINE)
 
 
 FULL_EVIDENCE = Evidence(copy_probes=1.0, block_bytes=REAL_BLOCK_BYTES)  # probes attached, block size known
@@ -43,6 +50,7 @@ def feed(
     """An engine offloading ``bytes_per_second`` in whole 512 KiB blocks; kvwatch's stream and
     copy probes read every second, the engine's counter every ``scrape_every`` seconds."""
     s = SeriesSet()
+    x = inputs(s)
     audit = ProcessAudit(SETTINGS)
     rows = []
     engine = NO_ENGINE
@@ -50,17 +58,17 @@ def feed(
     for t in range(seconds):
         blocks = int(blocks_per_second * t)
         values = {
-            "kv_physical_stored_blocks:CPU": float(blocks),
             "engine_tree_copy_d2h_bytes": blocks * REAL_BLOCK_BYTES * copies_share,
             "engine_tree_copy_h2d_bytes": 0.0,
-            "kv_batches_lost": float(lost_at is not None and t >= lost_at),
         }
         if t % scrape_every == 0:
             stored = int(blocks * engine_share) * float(REAL_BLOCK_BYTES)
             sample = EngineSample(float(t), offload_store_bytes=stored, offload_load_bytes=0.0)
             engine = EngineState(tapped=True, fresh=True, scrape=sample)
         s.add(float(t), values)
-        rows.append(audit.update(s, engine, evidence, float(t)))
+        x.kv.add(float(t), {"CPU": MediumCounts(physical_stored=float(blocks))})
+        x.kv_events.add(float(t), {STREAM: StreamEvents(batches_lost=float(lost_at is not None and t >= lost_at))})
+        rows.append(audit.update(replace(x, engine=engine), evidence, float(t)))
     return audit, rows
 
 
@@ -122,14 +130,15 @@ def test_under_the_floor_nothing_is_judged() -> None:
 
 
 def test_resident_blocks_bound() -> None:
-    s = SeriesSet()
+    x = inputs(SeriesSet())
     audit = ProcessAudit(SETTINGS)
     rows: tuple[AuditRow, ...] = ()
     for t, resident in enumerate([500.0] * 11 + [2600.0] * 11):
-        s.set_gauges({"kv_resident_blocks:GPU": resident})
-        s.add(float(t), {"kv_batches_lost": 0.0})
+        x.kv.add(float(t), {"GPU": MediumCounts()})
+        x.kv_events.add(float(t), {STREAM: StreamEvents()})
         engine = EngineState(tapped=True, fresh=True, scrape=EngineSample(float(t), pool_blocks=2048.0))
-        rows = audit.update(s, engine, Evidence(), float(t)) or rows
+        x = replace(x, kv_state=KVState(resident_gpu=resident), engine=engine)
+        rows = audit.update(x, Evidence(), float(t)) or rows
         if t == 10:
             r = by_pair(rows)["resident_blocks"]
             assert not r.diverged and (r.engine, r.kvwatch) == (2048.0, 500.0)
@@ -177,7 +186,7 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
     run = json.loads(gzip.decompress((FIXTURES / "vllm_run" / "pressure.json.gz").read_bytes()))
     pages = [(t, parse_exposition(text, at=t)) for t, text in run["pages"]]
     batches = run["batches"]
-    s = SeriesSet()
+    x = inputs(SeriesSet())
     audit = ProcessAudit(AuditSettings(window_seconds=window))
     det = EngineMetricDivergence(MetricDivergenceConfig())
     judged: list[AuditRow] = []
@@ -194,8 +203,9 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
             assert sample.offload_store_bytes is not None
             engine = EngineState(tapped=True, fresh=True, scrape=sample)
             p += 1
-        s.add(t, {"kv_physical_stored_blocks:CPU": float(cpu_stored), "kv_batches_lost": 0.0})
-        rows = audit.update(s, engine, Evidence(block_bytes=REAL_BLOCK_BYTES), t)
+        x.kv.add(t, {"CPU": MediumCounts(physical_stored=float(cpu_stored))})
+        x.kv_events.add(t, {STREAM: StreamEvents()})
+        rows = audit.update(replace(x, engine=engine), Evidence(block_bytes=REAL_BLOCK_BYTES), t)
         found = det.evaluate(_window(rows))
         if rows and (not judged or rows[0].window != judged[-1].window):
             judged.append(rows[0])

@@ -13,6 +13,7 @@ from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, S
 from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import NO_STREAM, STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -30,11 +31,14 @@ CFG = EvictionBurstConfig(
 class Engine:
     """Cumulative counters of one simulated engine, fed one second at a time."""
 
-    series: SeriesSet = field(default_factory=SeriesSet)  # the KV event stream's
+    kv: History[MediumCounts] = field(default_factory=lambda: History(MediumCounts))  # the KV event stream's
+    kv_events: History[StreamEvents] = field(default_factory=lambda: History(StreamEvents))
     engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))  # its /metrics
     state: EngineState = NO_ENGINE
+    kv_state: KVState = NO_STREAM
     t: float = 0.0
-    c: dict[str, float] = field(default_factory=dict)
+    c: dict[str, dict[str, float]] = field(default_factory=dict)  # by medium
+    cleared: int = 0
     e: dict[str, float] = field(default_factory=dict)
     usage: float | None = 0.5
     sleeping: bool = False
@@ -59,13 +63,16 @@ class Engine:
         ext_hit: float = 0.5,
     ) -> None:
         self.t += 1
-        add, get = self.c.__setitem__, self.c.get
         count = lambda name, n: self.e.__setitem__(name, self.e.get(name, 0) + n)  # noqa: E731
+
+        def blocks(medium: str, **n: float) -> None:
+            m = self.c.setdefault(medium, {})
+            for name, v in n.items():
+                m[name] = m.get(name, 0) + v
+
         if self.stream:
-            add("kv_removed_blocks:GPU", get("kv_removed_blocks:GPU", 0) + removed)
-            add("kv_removed_young:GPU", get("kv_removed_young:GPU", 0) + young)
-            add("kv_stored_blocks:GPU", get("kv_stored_blocks:GPU", 0) + removed)
-            add("kv_cleared", get("kv_cleared", 0) + cleared)
+            blocks("GPU", removed=removed, removed_young=young, stored=removed)
+            self.cleared += cleared
         if evicted_tokens is not None:
             count("evicted_tokens", evicted_tokens)
         if self.hits_exported:
@@ -73,17 +80,17 @@ class Engine:
             count("prefix_hits", queries * hit)
         count("preemptions", preempt)
         if self.cpu:
-            add("kv_removed_blocks:CPU", get("kv_removed_blocks:CPU", 0) + cpu_removed)
-            add("kv_stored_blocks:CPU", get("kv_stored_blocks:CPU", 0) + cpu_removed)
+            blocks("CPU", removed=cpu_removed, stored=cpu_removed)
         if self.external_hits:
             count("external_queries", ext_queries)
             count("external_hits", ext_queries * ext_hit)
-        self.series.add(self.t, dict(self.c))
+        if self.c:
+            self.kv.add(self.t, {medium: MediumCounts(**n) for medium, n in self.c.items()})
+            self.kv_events.add(self.t, {STREAM: StreamEvents(cleared=self.cleared)})
         self.engine.add(self.t, {ENGINE: ScrapeCounts(**self.e)})
         sample = EngineSample(self.t, usage=self.usage, sleeping=self.sleeping, **self.e)
         self.state = EngineState(True, self.sleeping, True, self.usage, scrape=sample)
-        if self.window_bounded:
-            self.series.set_gauges({"kv_window_bounded:GPU": 1.0})
+        self.kv_state = KVState(window_bounded=frozenset({"GPU"} if self.window_bounded else ()))
 
 
 class Run:
@@ -99,7 +106,14 @@ class Run:
             self.eng.second(**kw)  # type: ignore[arg-type]
             e = self.eng
             p = ProcessWindow(
-                Subject("7@1", {"pid": "7", "engine": "vllm"}), e.t, e.series, engine=e.engine, engine_state=e.state
+                Subject("7@1", {"pid": "7", "engine": "vllm"}),
+                e.t,
+                SeriesSet(),
+                engine=e.engine,
+                engine_state=e.state,
+                kv=e.kv,
+                kv_events=e.kv_events,
+                kv_state=e.kv_state,
             )
             f = self.det.evaluate(NodeView(self.eng.t, {"7@1": p}, {}))
             self.book.apply(f, self.eng.t)

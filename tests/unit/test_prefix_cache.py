@@ -17,6 +17,7 @@ from kvwatch.daemon.model.engine_scrape import ENGINE, EngineState, ScrapeCounts
 from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -32,7 +33,8 @@ class Engine:
 
     caching: bool = True  # False: every prefix is recomputed and its blocks stored again
     blocks: MediumBlocks = field(default_factory=lambda: MediumBlocks(100_000, 100_000))
-    series: SeriesSet = field(default_factory=SeriesSet)  # the KV event stream's
+    kv: History[MediumCounts] = field(default_factory=lambda: History(MediumCounts))  # the KV event stream's
+    kv_events: History[StreamEvents] = field(default_factory=lambda: History(StreamEvents))
     engine: History[ScrapeCounts] = field(default_factory=lambda: History(ScrapeCounts))  # its /metrics
     t: float = 0.0
     queried: float = 0.0
@@ -61,18 +63,13 @@ class Engine:
             self.blocks.clear()
             self.cleared += 1
         m = self.blocks.totals()
-        self.series.add(
-            self.t,
-            {
-                "kv_stored_blocks:GPU": m.stored,
-                "kv_regretted_blocks:GPU": m.regretted,
-                "kv_restored_blocks:GPU": m.restored,
-                "kv_cleared": self.cleared,
-            },
-        )
+        self.kv.add(self.t, {"GPU": MediumCounts(stored=m.stored, regretted=m.regretted, restored=m.restored)})
+        self.kv_events.add(self.t, {STREAM: StreamEvents(cleared=self.cleared)})
         self.engine.add(self.t, {ENGINE: ScrapeCounts(prefix_queries=self.queried, prefix_hits=self.hits)})
         state = EngineState(True, fresh=True, scrape=EngineSample(self.t, prefix_queries=self.queried))
-        window = ProcessWindow(SUBJECT, self.t, self.series, engine=self.engine, engine_state=state)
+        window = ProcessWindow(
+            SUBJECT, self.t, SeriesSet(), engine=self.engine, engine_state=state, kv=self.kv, kv_events=self.kv_events
+        )
         (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f
 

@@ -43,7 +43,7 @@ REFS = _references()
 
 
 def test_the_catalogue_is_read() -> None:
-    assert len(CONSTANTS) == len(sn.CATALOGUE) > 30  # shrinking as sources become typed histories
+    assert len(CONSTANTS) == len(sn.CATALOGUE) > 20  # shrinking as sources become typed histories
     assert {"engines.taps", "families.memory", "publish", "detectors.eviction_burst"} <= set().union(*REFS.values())
 
 

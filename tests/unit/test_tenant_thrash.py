@@ -14,7 +14,7 @@ from kvwatch.daemon.config import DetectorsConfig, TenantRule, TenantThrashConfi
 from kvwatch.daemon.detectors.registry import alert_names, build_detectors
 from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.engines.stream_counts import StreamCounts
-from kvwatch.daemon.engines.taps import stream_series
+from kvwatch.daemon.engines.taps import stream_observation
 from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer
 from kvwatch.daemon.lab import wire_encode as we
@@ -22,6 +22,7 @@ from kvwatch.daemon.lab.engine_sim_pool import BlockPool, Scheduler
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import SCRIPT_SPEC
@@ -41,7 +42,8 @@ class Engine:
     counts: StreamCounts = field(
         default_factory=lambda: StreamCounts((100_000, 100_000), 10.0, TenantNamer(RULES, b"k"))
     )
-    series: SeriesSet = field(default_factory=SeriesSet)
+    kv: History[MediumCounts] = field(default_factory=lambda: History(MediumCounts))
+    kv_events: History[StreamEvents] = field(default_factory=lambda: History(StreamEvents))
     tenants: History[TenantCounts] = field(default_factory=lambda: History(TenantCounts))
     folds: TenantFolds = field(default_factory=lambda: TenantFolds(8))
     config: TenantThrashConfig = CFG
@@ -71,11 +73,13 @@ class Engine:
             SCRIPT_SPEC, connected=True, gaps=0, missed=0, replayed=0, lost=0, restarts=0,
             replay_requests=0, last_seq=0, last_message_at=0.0,
         )  # fmt: skip
-        values, gauges = stream_series([stats])
-        self.series.add(self.t, values)
-        self.series.set_gauges(gauges)
+        media, events, state = stream_observation([stats])
+        self.kv.add(self.t, media)
+        self.kv_events.add(self.t, {STREAM: events})
         self.tenants.add(self.t, self.folds.pool(SUBJECT.key, [stats]))
-        window = ProcessWindow(SUBJECT, self.t, self.series, tenants=self.tenants)
+        window = ProcessWindow(
+            SUBJECT, self.t, SeriesSet(), tenants=self.tenants, kv=self.kv, kv_events=self.kv_events, kv_state=state
+        )
         view = NodeView(self.t, {SUBJECT.key: window}, {})
         return {f.subject.labels["tenant"]: f for f in self.detector.evaluate(view) if f.firing}
 
