@@ -300,7 +300,7 @@ class Agent:
             (
                 (
                     t.key,
-                    AuditInputs(t.series, t.kv, t.kv_events, t.kv_state, t.engine_state),
+                    AuditInputs(t.copies, t.kv, t.kv_events, t.kv_state, t.engine_state),
                     Evidence(float(engines.copy_probes.get(t.key, False)), self.losses.exact_block_bytes(t.key)),
                 )
                 for t in self.tracker.tracked()
@@ -324,7 +324,6 @@ class Agent:
         return ProcessWindow(
             subject=Subject(t.key, process_labels(t)),
             age=now - t.first_seen,
-            series=t.series,
             alive=t.exited_at is None,
             psi_some_avg10=self.pressure.cgroup(t.proc.cgroup.unified_path),
             environ=t.proc.environ,
@@ -338,6 +337,11 @@ class Agent:
             kv=t.kv,
             kv_events=t.kv_events,
             kv_state=t.kv_state,
+            memory=t.memory,
+            copies=t.copies,
+            gpu=t.gpu,
+            uprobes=dict(t.uprobes),
+            uprobe_cost_ratio=t.uprobe_cost_ratio,
         )
 
     def _detect(self, now: float) -> list[Finding]:

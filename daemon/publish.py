@@ -3,8 +3,8 @@
 Every component exposes its own view (frozen data): the uprobe families their processes' CUDA
 and transfer state and their probes, the memory family its probes and KV tiers, the engine taps
 their views, the ledger its rows, the self-cost meter its costs, the alert book its alerts. The
-agent gathers them once a tick into ``Parts``; ``build_snapshot`` only assembles, and reads the
-per-process series (``series_names.py``) for the snapshot's typed counters and rates.
+agent gathers them once a tick into ``Parts``; ``build_snapshot`` only assembles, and reads each
+process's typed histories (``daemon/model/``) for the snapshot's counters, rates and ratios.
 """
 
 from __future__ import annotations
@@ -12,19 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.transfer import TransferProcessState
 from kvwatch.daemon.model.cuda import CUDA
 from kvwatch.daemon.model.engine_scrape import ENGINE, TierCounts, tier_key
-from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading
+from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView, TierReading, loss_key
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import MediumCounts
-from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.memory import MEMORY
 from kvwatch.daemon.model.snapshot import (
     AlertsView,
     CudaView,
     FamilyCost,
-    MemoryCounters,
     ProbeView,
     ProcessRates,
     ProcessView,
@@ -80,42 +78,32 @@ class Parts:
     self_cost: SelfCostView | None
 
 
-def memory_counters(s: SeriesSet) -> MemoryCounters:
-    return MemoryCounters(
-        page_free_pages=s.last(sn.PAGE_FREE_PAGES),
-        direct_reclaim_seconds=s.last(sn.DIRECT_RECLAIM_SECONDS),
-        direct_reclaim_count=s.last(sn.DIRECT_RECLAIM_COUNT),
-        memcg_reclaim_seconds=s.last(sn.MEMCG_RECLAIM_SECONDS),
-        memcg_reclaim_count=s.last(sn.MEMCG_RECLAIM_COUNT),
-    )
+def _per_second(seconds: float) -> float:
+    return 1.0 / seconds if seconds > 0 else 0.0
 
 
-def _keyed_rates(s: SeriesSet, prefix: str) -> dict[str, float]:
-    names = [n for n in s.series if n.startswith(prefix)]
-    return {n[len(prefix) :]: v for n, v in s.rates(names, RATE_WINDOW).items()}
-
-
-def process_rates(t: Tracked) -> ProcessRates:
-    s = t.series
-    fixed = (sn.PAGE_FREE_PAGES, sn.DIRECT_RECLAIM_SECONDS, sn.MEMCG_RECLAIM_SECONDS, sn.XFER_BYTES)
-    r = s.rates(fixed, RATE_WINDOW)
-    cuda, dt = t.allocator.delta(CUDA, RATE_WINDOW)
-    per_second = 1.0 / dt if dt > 0 else 0.0
+def process_rates(t: Tracked, losses: Mapping[tuple[str, str], LossTotal]) -> ProcessRates:
+    """The process's rates over the rate window, from its histories; its loss rates per row of
+    the ledger (``losses``) that has bytes."""
+    mem, mem_dt = t.memory.delta(MEMORY, RATE_WINDOW)
+    cuda, cuda_dt = t.allocator.delta(CUDA, RATE_WINDOW)
+    xfer, xfer_dt = t.transfers.delta(NIXL, RATE_WINDOW)
     lost: dict[tuple[str, str], float] = {}
-    for key, v in _keyed_rates(s, sn.KV_LOST_BYTES).items():  # "tier:cause"
-        tier, sep, cause = key.partition(":")
-        if sep:
-            lost[(tier, cause)] = v
+    for tier, cause in losses:
+        if loss_key(tier, cause) in t.losses:
+            d, dt = t.losses.delta(loss_key(tier, cause), RATE_WINDOW)
+            lost[(tier, cause)] = d.bytes * _per_second(dt)
     removed, regretted = kv_rates(t.kv)
+    m, c = _per_second(mem_dt), _per_second(cuda_dt)
     return ProcessRates(
-        page_free_pages=r[sn.PAGE_FREE_PAGES],
-        direct_reclaim_seconds=r[sn.DIRECT_RECLAIM_SECONDS],
-        memcg_reclaim_seconds=r[sn.MEMCG_RECLAIM_SECONDS],
-        cuda_alloc_calls=cuda.alloc_calls * per_second,
-        cuda_free_calls=cuda.free_calls * per_second,
-        cuda_alloc_bytes=cuda.alloc_bytes * per_second,
-        cuda_freed_bytes=cuda.freed_bytes * per_second,
-        xfer_bytes=r[sn.XFER_BYTES],
+        page_free_pages=mem.page_free_pages * m,
+        direct_reclaim_seconds=mem.direct_reclaim_seconds * m,
+        memcg_reclaim_seconds=mem.memcg_reclaim_seconds * m,
+        cuda_alloc_calls=cuda.alloc_calls * c,
+        cuda_free_calls=cuda.free_calls * c,
+        cuda_alloc_bytes=cuda.alloc_bytes * c,
+        cuda_freed_bytes=cuda.freed_bytes * c,
+        xfer_bytes=xfer.moved_bytes * _per_second(xfer_dt),
         kv_removed_blocks=removed,
         kv_regretted_blocks=regretted,
         kv_lost_bytes=lost,
@@ -212,8 +200,8 @@ def _process_view(t: Tracked, parts: ProcessParts) -> ProcessView:
         labels=process_labels(t),
         source=t.proc.source,
         alive=t.exited_at is None,
-        memory=memory_counters(t.series),
-        rates=process_rates(t),
+        memory=t.memory.last(MEMORY),
+        rates=process_rates(t, parts.losses.get(t.key, {})),
         gpu_used_bytes=parts.gpu_used.get(t.pid),
         cuda=parts.cuda(t.pid),
         transfers=transfer_view(parts.transfers(t.pid), t.transfers),

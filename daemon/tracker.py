@@ -17,13 +17,14 @@ import structlog
 
 from kvwatch.daemon.discovery import DiscoveredProcess, Discovery
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
-from kvwatch.daemon.model.cuda import AllocatorCounts
+from kvwatch.daemon.model.cuda import AllocatorCounts, CopyCounts, GpuUse
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState, ScrapeCounts, TierCounts
-from kvwatch.daemon.model.engines import TenantCounts
+from kvwatch.daemon.model.engines import LostBytes, TenantCounts
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import NO_STREAM, KVState, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.memory import MemoryCounters
 from kvwatch.daemon.model.transfers import NONE_IN_FLIGHT, TransferCounts, TransfersInFlight
+from kvwatch.daemon.model.uprobes import UprobeState
 
 log = structlog.get_logger("kvwatch.tracker")
 
@@ -41,14 +42,21 @@ class WatchSink(Protocol):
 
 @dataclass(slots=True)
 class Tracked:
+    """A watched process, and what each source observed of it: typed cumulative counts in
+    histories (read as increases over windows), and the latest of what is not a count."""
+
     proc: DiscoveredProcess
     first_seen: float
-    series: SeriesSet
+    horizon: float = 600.0  # seconds of history kept
     exited_at: float | None = None
     in_kernel: bool = False
-    tenants: History[TenantCounts] = field(init=False)  # its GPU pool by tenant label (the taps')
-    transfers: History[TransferCounts] = field(init=False)  # by library (the transfer family's)
+    memory: History[MemoryCounters] = field(init=False)  # its kernel-memory counters (the memory family's)
     allocator: History[AllocatorCounts] = field(init=False)  # its CUDA allocator (the CUDA family's)
+    copies: History[CopyCounts] = field(init=False)  # its copies (CUDA); its engine's summed (TREE, the taps')
+    gpu: GpuUse = field(default_factory=GpuUse)  # NVML's, taken with the CUDA family's
+    uprobes: dict[str, UprobeState] = field(default_factory=dict)  # by uprobe family (the runner's)
+    uprobe_cost_ratio: float | None = None  # what the uprobes cost it (the self-cost meter's)
+    transfers: History[TransferCounts] = field(init=False)  # by library (the transfer family's)
     in_flight: TransfersInFlight = NONE_IN_FLIGHT  # its transfers not completed yet
     engine: History[ScrapeCounts] = field(init=False)  # its engine's /metrics counters (the taps', tapped only)
     engine_tiers: History[TierCounts] = field(init=False)  # its engine's tier counters, by tier_key
@@ -56,15 +64,21 @@ class Tracked:
     kv: History[MediumCounts] = field(init=False)  # its KV event streams' counts by medium (the taps')
     kv_events: History[StreamEvents] = field(init=False)  # ... stream-wide, under STREAM
     kv_state: KVState = NO_STREAM  # ... and gauges
+    tenants: History[TenantCounts] = field(init=False)  # its GPU pool by tenant label (the taps')
+    losses: History[LostBytes] = field(init=False)  # its KV loss ledger's rows, by loss_key (the ledger's)
 
     def __post_init__(self) -> None:
-        self.tenants = History(TenantCounts, self.series.horizon)
-        self.transfers = History(TransferCounts, self.series.horizon)
-        self.allocator = History(AllocatorCounts, self.series.horizon)
-        self.engine = History(ScrapeCounts, self.series.horizon)
-        self.engine_tiers = History(TierCounts, self.series.horizon)
-        self.kv = History(MediumCounts, self.series.horizon)
-        self.kv_events = History(StreamEvents, self.series.horizon)
+        h = self.horizon
+        self.memory = History(MemoryCounters, h)
+        self.allocator = History(AllocatorCounts, h)
+        self.copies = History(CopyCounts, h)
+        self.transfers = History(TransferCounts, h)
+        self.engine = History(ScrapeCounts, h)
+        self.engine_tiers = History(TierCounts, h)
+        self.kv = History(MediumCounts, h)
+        self.kv_events = History(StreamEvents, h)
+        self.tenants = History(TenantCounts, h)
+        self.losses = History(LostBytes, h)
 
     @property
     def key(self) -> str:
@@ -107,7 +121,7 @@ class ProcessTracker:
         max_processes: int,
         follow_children: bool = True,
         hints_per_tick: int = 200,
-        series_horizon: float = 120.0,
+        history_seconds: float = 120.0,
     ) -> None:
         self.discovery = discovery
         self.procfs = procfs
@@ -116,7 +130,7 @@ class ProcessTracker:
         self.max_processes = max_processes
         self.follow_children = follow_children
         self.hints_per_tick = hints_per_tick
-        self.series_horizon = series_horizon
+        self.history_seconds = history_seconds
         self.by_pid: dict[int, Tracked] = {}
         self.stats = TrackerStats()
         self._hints: dict[int, None] = {}  # ordered set of PIDs to examine
@@ -156,7 +170,7 @@ class ProcessTracker:
             if self.kernel is not None and root_tgid is not None:
                 self.kernel.unwatch(pid)  # a child the kernel added on its own
             return None
-        t = Tracked(proc, self.clock(), SeriesSet(self.series_horizon))
+        t = Tracked(proc, self.clock(), self.history_seconds)
         if self.kernel is not None:
             if root_tgid is None:
                 self.kernel.unwatch(pid)  # clear any counters a previous owner of the PID left

@@ -154,7 +154,7 @@ def assemble(
             tracker=tracker,
             memory=MemoryFamily(config, memory, tracker, procfs, errors, clock=clock),
             gpu=gpu,
-            cuda=cuda_family(cuda, config, errors, clock, more_readings=gpu.series),
+            cuda=cuda_family(cuda, config, errors, clock, more_observations=gpu.observe),
             transfer=transfer_family(transfer, config, errors, clock),
             engines=engines,
             pressure=PressureReader(procfs),

@@ -58,11 +58,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, cleared_on_purpose, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
+from kvwatch.daemon.model.cuda import CUDA, CopyCounts
 from kvwatch.daemon.model.engine_scrape import ENGINE, ScrapeCounts, exports
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.kv_counts import MediumCounts
@@ -107,10 +107,10 @@ def _kv(get: Callable[[MediumCounts], float], medium: str) -> Count:
     return count
 
 
-def _series(name: str) -> Count:
+def _copies(get: Callable[[CopyCounts], float]) -> Count:
     def count(p: ProcessWindow, window: float) -> tuple[float, float]:
-        s = p.series.series.get(name)
-        return s.delta(window) if s is not None else (0.0, 0.0)
+        d, seconds = p.copies.delta(CUDA, window)
+        return get(d), seconds
 
     return count
 
@@ -168,10 +168,10 @@ def sources(p: ProcessWindow) -> list[Source]:
         out.append(Source("GPU", _engine(lambda d: d.evicted_tokens), "tokens", None, None, *_hit_counts(p, "GPU")))
     if "CPU" not in media and exports(p.engine_state, lambda x: x.lmcache_evicted_keys):
         out.append(Source("CPU", _engine(lambda d: d.lmcache_evicted_keys), "keys", None, None, *_hit_counts(p, "CPU")))
-    if not out and sn.CUDA_COPY_D2H_BYTES in p.series.series and not p.engine_state.tapped:
+    if not out and CUDA in p.copies and not p.engine_state.tapped:
         # no engine data at all: the OS-side view — KV stored to host and loaded back, both
         # far above their baseline, is the store-then-reload churn of evicted hot blocks
-        d2h, h2d = _series(sn.CUDA_COPY_D2H_BYTES), _series(sn.CUDA_COPY_H2D_BYTES)
+        d2h, h2d = _copies(lambda d: d.d2h_bytes), _copies(lambda d: d.h2d_bytes)
         out.append(Source("CPU", d2h, "bytes", None, None, None, None, h2d))
     return sorted(out, key=lambda x: (MEDIUM_ORDER.get(x.medium, len(MEDIUM_ORDER)), x.medium))
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import HostTierEvictionConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
-from kvwatch.daemon.model.windows import NodeView, TierWindow
+from kvwatch.daemon.model.memory import MEMORY, PAGES
+from kvwatch.daemon.model.windows import NodeView, ProcessWindow, TierWindow
 
 ALERT = "KVHostTierEvictionUnderPressure"
 SPECS = (
@@ -42,6 +42,12 @@ SPECS = (
     ),
 )
 MIB = 1024 * 1024
+
+
+def _stall_rate(o: ProcessWindow, window: float) -> float:
+    """Seconds a second the process stalled in reclaim, global and against its memcg's limit."""
+    d, seconds = o.memory.delta(MEMORY, window)
+    return (d.direct_reclaim_seconds + d.memcg_reclaim_seconds) / seconds if seconds > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -75,21 +81,14 @@ class HostTierEviction:
 
     def measure(self, tier: TierWindow, view: NodeView) -> dict[str, float]:
         w = self.config.window_seconds
-        evicted_pages = tier.series.delta(sn.RECLAIM_PAGES, w)
-        refault_pages = tier.series.delta(sn.REFAULT_PAGES, w)
-        stall = max(
-            (
-                o.series.rate(sn.DIRECT_RECLAIM_SECONDS, w) + o.series.rate(sn.MEMCG_RECLAIM_SECONDS, w)
-                for o in tier.owners
-            ),
-            default=0.0,
-        )
+        pages, seconds = tier.pages.delta(PAGES, w)
+        stall = max((_stall_rate(o, w) for o in tier.owners), default=0.0)
         psi_values = [o.psi_some_avg10 for o in tier.owners if o.psi_some_avg10 is not None]
         if view.psi_memory_some_avg10 is not None:
             psi_values.append(view.psi_memory_some_avg10)
         return {
-            "evicted_bytes_per_second": tier.series.rate(sn.RECLAIM_BYTES, w),
-            "refault_ratio": refault_pages / evicted_pages if evicted_pages > 0 else 0.0,
+            "evicted_bytes_per_second": pages.reclaim_bytes / seconds if seconds > 0 else 0.0,
+            "refault_ratio": pages.refault_pages / pages.reclaim_pages if pages.reclaim_pages > 0 else 0.0,
             "reclaim_stall_ms_per_second": stall * 1000.0,
             "psi_some_avg10": max(psi_values, default=0.0),
         }

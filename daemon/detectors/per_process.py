@@ -1,4 +1,4 @@
-"""Base of the detectors that judge each watched process on its own series, with a state of
+"""Base of the detectors that judge each watched process on its own observations, with a state of
 their own per process (dropped with the process)."""
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ S = TypeVar("S")
 
 
 class ProcessDetector(Generic[C, S]):
-    """Judges every watched process that has all the series in ``needs``; subclasses give
-    ``name``, ``needs``, ``new_state`` and ``judge`` (``judge_all`` where one process gives
-    findings of more than one alert: ``alerts`` names them all)."""
+    """Judges every watched process it ``applies`` to; subclasses give ``name``, ``new_state``
+    and ``judge`` (``judge_all`` where one process gives findings of more than one alert:
+    ``alerts`` names them all)."""
 
     name: str = ""
     alerts: ClassVar[tuple[str, ...]] = ()  # every alert it can raise; () means (name,)
     outlives_subject: ClassVar[bool] = False  # its alerts stay when their process exits
-    needs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: C) -> None:
         self.config = config
@@ -48,8 +47,8 @@ class ProcessDetector(Generic[C, S]):
         return out
 
     def applies(self, p: ProcessWindow) -> bool:
-        """Judged at all: by default, the process has every series in ``needs``."""
-        return all(n in p.series.series for n in self.needs)
+        """Judged at all (override: by default, every process)."""
+        return True
 
     def new_state(self) -> S:
         raise NotImplementedError

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.detectors.per_process import ProcessDetector
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
@@ -44,6 +43,9 @@ class _Always:
     enabled: bool = True  # no section of its own: the budget's (self_cost) decides what is shed
 
 
+COST_RATIO = "uprobe_cost_ratio"  # the finding's value: uprobes' cost over the process's CPU
+
+
 class ProbeShed(ProcessDetector[_Always, None]):
     name = ALERT
 
@@ -51,22 +53,20 @@ class ProbeShed(ProcessDetector[_Always, None]):
         super().__init__(_Always())
 
     def applies(self, p: ProcessWindow) -> bool:
-        return any(k.startswith(sn.UPROBES_SHED) for k in p.series.gauges)
+        return bool(p.uprobes)
 
     def new_state(self) -> None:
         return None
 
     def judge(self, key: str, st: None, p: ProcessWindow, now: float) -> Finding:
-        gauges = p.series.gauges
-        families = sorted(k.removeprefix(sn.UPROBES_SHED) for k in gauges if k.startswith(sn.UPROBES_SHED))
-        shed = [f for f in families if gauges.get(f"{sn.UPROBES_SHED}{f}")]
-        ratio = gauges.get(sn.UPROBE_COST_RATIO)
+        shed = sorted(name for name, u in p.uprobes.items() if u.shed)
+        ratio = p.uprobe_cost_ratio
         return Finding(
             alert=ALERT,
             subject=Subject(key, p.subject.labels),
             firing=bool(shed),
             cause=shed[0] if shed else "",
-            values={sn.UPROBE_COST_RATIO: ratio} if ratio is not None else {},
+            values={COST_RATIO: ratio} if ratio is not None else {},
             summary=f"pid {p.subject.labels.get('pid', '?')}: "
             + (f"{', '.join(shed)} uprobes detached, over the cost budget" if shed else "uprobes attached")
             + (f" (last measured {ratio:.1%} of its CPU)" if ratio is not None else ""),

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.detectors.per_process import ProcessDetector
@@ -167,8 +166,8 @@ class ReuseCollapse(ProcessDetector[ReuseCollapseConfig, _State]):
         if now < st.quiet_until or p.age < c.warmup_seconds:
             return False
         # the KV pool: one allocation we saw, or (allocated before we attached) NVML's view
-        pool = max(p.allocator.last(CUDA).max_alloc, p.series.last(sn.GPU_USED_BYTES))
-        total = p.series.last(sn.GPU_DEVICE_TOTAL_BYTES)
+        pool = max(p.allocator.last(CUDA).max_alloc, p.gpu.used_bytes)
+        total = p.gpu.device_total_bytes
         if c.require_kv_pool and total > 0 and pool < c.kv_pool_fraction * total:
             return False
         if st.warm_since is None:

@@ -34,13 +34,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import MetricDivergenceConfig
+from kvwatch.daemon.model.cuda import TREE, CopyCounts
 from kvwatch.daemon.model.engine_scrape import EngineState
 from kvwatch.daemon.model.engines import AuditRow, EngineSample
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, KVState, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
 
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
 COPY_PROBES = "copy_probes"  # evidence: the engine's processes have their copy probes attached
@@ -51,7 +50,7 @@ BLOCK_BYTES = "block_bytes"  # evidence: bytes of one block, where configured or
 class AuditInputs:
     """One engine process's readings this tick: kvwatch's evidence and the engine's last scrape."""
 
-    series: SeriesSet  # the engine tree's copy sums (engine_tree_copy_*)
+    copies: History[CopyCounts]  # the engine tree's copies, summed under TREE
     kv: History[MediumCounts]  # its KV event streams, by medium
     kv_events: History[StreamEvents]
     kv_state: KVState
@@ -64,10 +63,10 @@ class AuditInputs:
 Reading = Callable[[AuditInputs, float], float | None]  # kvwatch's cumulative count at a time (None: unknown)
 
 
-def _copies(name: str) -> Reading:
+def _copies(get: Callable[[CopyCounts], float]) -> Reading:
     def read(x: AuditInputs, t: float) -> float | None:
-        s = x.series.series.get(name)
-        return s.value_at(t) if s is not None else None
+        c = x.copies.at(TREE, t)
+        return get(c) if c is not None else None
 
     return read
 
@@ -103,7 +102,7 @@ PAIRS = (
         EQUAL,
         lambda x: x.offload_store_bytes,
         "vllm:kv_offload_store_bytes",
-        _copies(sn.ENGINE_TREE_COPY_D2H_BYTES),
+        _copies(lambda c: c.d2h_bytes),
         "device-to-host copy probes",
         requires=(COPY_PROBES,),
     ),
@@ -113,7 +112,7 @@ PAIRS = (
         AT_MOST,
         lambda x: x.offload_load_bytes,
         "vllm:kv_offload_load_bytes",
-        _copies(sn.ENGINE_TREE_COPY_H2D_BYTES),
+        _copies(lambda c: c.h2d_bytes),
         "host-to-device copy probes",
         requires=(COPY_PROBES,),
     ),

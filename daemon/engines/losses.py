@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.model.engine_scrape import ENGINE
+from kvwatch.daemon.model.engines import LostBytes, loss_key
 from kvwatch.daemon.model.windows import OomEvent, TierPageLoss
 from kvwatch.daemon.tracker import Tracked
 
@@ -34,8 +34,10 @@ def account_losses(
     for t in tracked:
         led = ledger.engines.get(t.key)
         if led is not None:
-            values = {f"{sn.KV_LOST_BYTES}{tier}:{cause}": r.bytes for (tier, cause), r in led.totals().items()}
-            t.series.add(now, {k: v for k, v in values.items() if v is not None})
+            rows = led.totals().items()
+            t.losses.add(
+                now, {loss_key(tier, cause): LostBytes(r.bytes) for (tier, cause), r in rows if r.bytes is not None}
+            )
 
 
 def _engines(ledger: LossLedger, taps: EngineTaps, tracked: Sequence[Tracked]) -> None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import structlog
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
 from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
 from kvwatch.daemon.engines.kv_events import KVEventHub
@@ -25,6 +24,7 @@ from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer, load_key
 from kvwatch.daemon.host.procfs import ProcError, ProcessGone, ProcFS
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.cuda import CUDA, TREE, CopyCounts
 from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, scrape_counts, tier_counts
 from kvwatch.daemon.model.engines import (
     EnginePlan,
@@ -40,6 +40,7 @@ from kvwatch.daemon.model.engines import (
 )
 from kvwatch.daemon.model.kv_counts import STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.snapshot import ProbeView
+from kvwatch.daemon.model.uprobes import UprobeState
 from kvwatch.daemon.tracker import Tracked
 
 log = structlog.get_logger("kvwatch.engine_taps")
@@ -268,17 +269,19 @@ class EngineTaps:
                 continue
             own = owners.get(owner, EngineState(tapped=True))
             t.engine_state = own if t.key == owner else EngineState(tapped=True, sleeping=own.sleeping)
-            if sn.CUDA_COPY_D2H_BYTES in t.series.series:
+            if CUDA in t.copies:
                 acc = copies.setdefault(owner, [0.0, 0.0, 0.0, 0.0])
-                acc[0] += t.series.last(sn.CUDA_COPY_D2H_BYTES)
-                acc[1] += t.series.last(sn.CUDA_COPY_H2D_BYTES)
-                acc[2] += float(t.series.gauge(f"{sn.UPROBE_SYMBOLS}cuda") > 0)  # a CUDA library's probes attached
-                acc[3] += t.series.gauge(f"{sn.UPROBES_SHED}cuda")
+                mine = t.copies.last(CUDA)
+                probes = t.uprobes.get(CUDA, UprobeState())
+                acc[0] += mine.d2h_bytes
+                acc[1] += mine.h2d_bytes
+                acc[2] += float(probes.symbols > 0)  # a CUDA library's probes attached
+                acc[3] += float(probes.shed)
         self.copy_probes = {}
         for t in tracked:  # the copies of the engine's processes, summed on the tapped one (the audit's)
             if t.key in copies:
                 d2h, h2d, probed, shed = copies[t.key]
-                t.series.add(now, {sn.ENGINE_TREE_COPY_D2H_BYTES: d2h, sn.ENGINE_TREE_COPY_H2D_BYTES: h2d})
+                t.copies.add(now, {TREE: CopyCounts(h2d_bytes=h2d, d2h_bytes=d2h)})
                 self.copy_probes[t.key] = probed > 0 and shed == 0
 
     def _observe_owner(self, t: Tracked, now: float) -> EngineState | None:

@@ -197,16 +197,8 @@ class FamilyTracker:
         """Read the family's events and counters, once a tick (override)."""
         raise NotImplementedError
 
-    def series(self, pid: int) -> dict[str, float] | None:
-        """A watched process's values for its series; None when it is not attached (override)."""
-        raise NotImplementedError
-
-    def gauges(self, pid: int) -> dict[str, float]:
-        """Point-in-time values of a process for the detectors (override)."""
-        return {}
-
     def observe(self, t: Tracked, now: float) -> None:
-        """Typed observations of the process for its histories, where the family has any (override)."""
+        """Typed observations of an attached process for its histories (override)."""
 
     def symbols_attached(self, pid: int) -> int:
         att = self.probes.attachments.get(pid)

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import structlog
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
@@ -299,9 +298,7 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
     meter.programs(runs, stats_on)
     samples: list[tuple[Tracked, Sample]] = []
     for t in tracked:
-        calls: dict[str, float | None] = {
-            n: t.series.last(f"{sn.UPROBE_CALLS}{n}") for n in fams if f"{sn.UPROBE_CALLS}{n}" in t.series.series
-        }
+        calls: dict[str, float | None] = {n: t.uprobes[n].calls for n in fams if n in t.uprobes}
         if t.exited_at is not None or not calls:
             continue
         try:
@@ -318,4 +315,4 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
     for t, s in samples:
         ratio = meter.ratio(s.key)
         if ratio is not None:
-            t.series.set_gauges({sn.UPROBE_COST_RATIO: ratio})
+            t.uprobe_cost_ratio = ratio

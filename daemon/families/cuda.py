@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.families.attachments import Attached, FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
-from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
+from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts, CopyCounts
 from kvwatch.daemon.model.snapshot import CudaView
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.cuda import CUDA_APIS, AllocationFailed, CudaProbes, LargeAllocation, ProcessCuda
@@ -50,12 +49,9 @@ def allocator_counts(c: ProcessCuda) -> AllocatorCounts:
     )
 
 
-def cuda_series(c: ProcessCuda) -> dict[str, float]:
+def copy_counts(c: ProcessCuda) -> CopyCounts:
     """The copies a process made, for the engine's audit and the OS-side eviction view."""
-    return {
-        sn.CUDA_COPY_H2D_BYTES: float(c.copy_bytes("h2d")),
-        sn.CUDA_COPY_D2H_BYTES: float(c.copy_bytes("d2h")),
-    }
+    return CopyCounts(h2d_bytes=float(c.copy_bytes("h2d")), d2h_bytes=float(c.copy_bytes("d2h")))
 
 
 API_CLASSES = {a.label: "alloc" if a.is_alloc else "free" if a.is_free else "map" for a in CUDA_APIS if not a.is_copy}
@@ -109,17 +105,12 @@ class CudaTracker(FamilyTracker):
         self.hits, self.lost = sample.hits, dict(sample.lost)
         self.lost["cuda_malformed_events"] = self.probes.malformed
 
-    def series(self, pid: int) -> dict[str, float] | None:
-        c = self._counters.get(pid)
-        if c is None:
-            return None if pid not in self.attached else cuda_series(ProcessCuda(apis={}))
-        return cuda_series(c)
-
     def observe(self, t: Tracked, now: float) -> None:
-        """The process's allocator counts into its history, while attached."""
+        """The process's allocator counts and copies into its histories, while attached."""
         if t.pid in self.attached:
             c = self._counters.get(t.pid)
             t.allocator.add(now, {CUDA: allocator_counts(c) if c is not None else AllocatorCounts()})
+            t.copies.add(now, {CUDA: copy_counts(c) if c is not None else CopyCounts()})
 
     def api_calls(self, pid: int) -> dict[str, float]:
         c = self._counters.get(pid)
@@ -171,14 +162,14 @@ def cuda_family(
     config: Config,
     errors: ErrorBook,
     clock: Callable[[], float],
-    more_readings: Callable[[int], dict[str, float]] | None = None,
+    more_observations: Callable[[Tracked], None] | None = None,
 ) -> CudaFamily:
-    """``more_readings``: NVML's numbers of the process, carried in the same series."""
+    """``more_observations``: NVML's numbers of the process, taken with the family's."""
     return UprobeFamily(
         "cuda",
         probes,
         lambda p: CudaTracker(p, errors, clock=clock, rescan_seconds=config.probes.cuda_rescan_seconds),
         errors,
         enabled=config.probes.cuda,
-        more_readings=more_readings,
+        more_observations=more_observations,
     )

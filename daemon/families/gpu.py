@@ -1,13 +1,13 @@
 """GPU memory per process from NVML, read once a tick (a source: ``daemon/sources.py``): the CUDA
-family's series carry it beside the allocator's own numbers, and the snapshot shows it."""
+family's observations take it beside the allocator's own numbers, and the snapshot shows it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.host.nvml import Nvml
 from kvwatch.daemon.logs import ErrorBook
+from kvwatch.daemon.model.cuda import GpuUse
 from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.tracker import Tracked
 
@@ -36,9 +36,9 @@ class GpuMemory:
         except Exception as err:
             self.errors.record("nvml", "NVML query failed", err)
 
-    def series(self, pid: int) -> dict[str, float]:
-        """What the CUDA family's series of the process carry of it."""
-        return {sn.GPU_DEVICE_TOTAL_BYTES: self.device_total, sn.GPU_USED_BYTES: float(self.used.get(pid, 0))}
+    def observe(self, t: Tracked) -> None:
+        """The process's GPU memory, taken with the CUDA family's observations of it."""
+        t.gpu = GpuUse(self.device_total, float(self.used.get(t.pid, 0)))
 
     def lost(self) -> Mapping[str, int]:
         return {}

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.discovery import DiscoveredProcess
 from kvwatch.daemon.families.kv_files import KVTierRegistry, Tier
@@ -24,8 +23,9 @@ from kvwatch.daemon.families.reclaimers import CgroupPaths, Reclaimer, TierRecla
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.findings import Subject
-from kvwatch.daemon.model.series import SeriesSet
-from kvwatch.daemon.model.snapshot import ProbeView, TierCounters, TierRates, TierReclaimer, TierView
+from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.memory import MEMORY, PAGES, MemoryCounters, Reclaimed, TierCounters
+from kvwatch.daemon.model.snapshot import ProbeView, TierRates, TierReclaimer, TierView
 from kvwatch.daemon.model.windows import OomEvent, ProcessWindow, TierPageLoss, TierWindow
 from kvwatch.daemon.tracker import ProcessTracker, Tracked
 from kvwatch.probes.errors import ProbeError
@@ -44,14 +44,7 @@ from kvwatch.probes.records import (
 log = structlog.get_logger("kvwatch.memory")
 
 PAGE_SIZE = 4096
-PROCESS_TOTALS = (
-    sn.PAGE_FREE_PAGES,
-    sn.DIRECT_RECLAIM_SECONDS,
-    sn.DIRECT_RECLAIM_COUNT,
-    sn.MEMCG_RECLAIM_SECONDS,
-    sn.MEMCG_RECLAIM_COUNT,
-)
-TIER_SERIES_SECONDS = 120.0
+TIER_HISTORY_SECONDS = 120.0
 RATE_WINDOW = 5.0  # the snapshot's rates
 
 OomKey = tuple[str, str, str, str]  # engine, role, container, pod
@@ -78,7 +71,8 @@ class MemoryFamily:
         self.tiers: KVTierRegistry | None = None
         self.tier_watcher: KVFileWatcher | None = None
         self.reclaimers: TierReclaimers | None = None
-        self.tier_series: dict[int, SeriesSet] = {}
+        self.tier_pages: dict[int, History[TierCounters]] = {}  # under PAGES
+        self.tier_reclaimed: dict[int, History[Reclaimed]] = {}  # by reclaimer row
         self.tier_first_seen: dict[int, float] = {}
         self.oom_kills: dict[OomKey, int] = {}
         self.last_sample: MemorySample | None = None  # the last one: hits and losses of the hooks
@@ -234,17 +228,16 @@ class MemoryFamily:
         self.last_sample = sample
         for t in tracked:
             c = sample.processes.get(t.pid)
-            if c is None:
-                totals = dict.fromkeys(PROCESS_TOTALS, 0.0)
-            else:
-                totals = {
-                    sn.PAGE_FREE_PAGES: float(c.page_free_pages),
-                    sn.DIRECT_RECLAIM_SECONDS: c.direct_reclaim_ns / 1e9,
-                    sn.DIRECT_RECLAIM_COUNT: float(c.direct_reclaim_count),
-                    sn.MEMCG_RECLAIM_SECONDS: c.memcg_reclaim_ns / 1e9,
-                    sn.MEMCG_RECLAIM_COUNT: float(c.memcg_reclaim_count),
-                }
-            t.series.add(now, totals)
+            totals = MemoryCounters()
+            if c is not None:
+                totals = MemoryCounters(
+                    page_free_pages=float(c.page_free_pages),
+                    direct_reclaim_seconds=c.direct_reclaim_ns / 1e9,
+                    direct_reclaim_count=float(c.direct_reclaim_count),
+                    memcg_reclaim_seconds=c.memcg_reclaim_ns / 1e9,
+                    memcg_reclaim_count=float(c.memcg_reclaim_count),
+                )
+            t.memory.add(now, {MEMORY: totals})
         if self.tiers is None:
             return
         folded: list[tuple[int, Reclaimer]] = []
@@ -253,20 +246,22 @@ class MemoryFamily:
             folded = self.reclaimers.ingest(sample.reclaimers, unattributed, now)
         for tier_id in self.tiers.tier_by_id():
             c2 = sample.tiers.get(tier_id)
-            pages = {
-                sn.RECLAIM_PAGES: float(c2.reclaim_pages) if c2 else 0.0,
-                sn.POLICY_PAGES: float(c2.policy_pages) if c2 else 0.0,
-                sn.REFAULT_PAGES: float(c2.refault_pages) if c2 else 0.0,
-                sn.ADDED_PAGES: float(c2.added_pages) if c2 else 0.0,
-            }
-            pages[sn.RECLAIM_BYTES] = pages[sn.RECLAIM_PAGES] * PAGE_SIZE
-            pages[sn.POLICY_BYTES] = pages[sn.POLICY_PAGES] * PAGE_SIZE
-            series = self.tier_series.setdefault(tier_id, SeriesSet(TIER_SERIES_SECONDS))
-            series.drop(sn.RECLAIMED_BYTES + row.key for t, row in folded if t == tier_id)
+            counts = TierCounters()
+            if c2 is not None:
+                counts = TierCounters(
+                    reclaim_bytes=float(c2.reclaim_pages) * PAGE_SIZE,
+                    policy_bytes=float(c2.policy_pages) * PAGE_SIZE,
+                    reclaim_pages=float(c2.reclaim_pages),
+                    policy_pages=float(c2.policy_pages),
+                    refault_pages=float(c2.refault_pages),
+                    added_pages=float(c2.added_pages),
+                )
+            self._tier_pages(tier_id).add(now, {PAGES: counts})
+            reclaimed = self.tier_reclaimed.setdefault(tier_id, History(Reclaimed, TIER_HISTORY_SECONDS))
+            reclaimed.drop(row.key for t, row in folded if t == tier_id)
             if self.reclaimers is not None:
-                for row, n in self.reclaimers.book.rows(tier_id).items():
-                    pages[sn.RECLAIMED_BYTES + row.key] = float(n) * PAGE_SIZE
-            series.add(now, pages)
+                rows = self.reclaimers.book.rows(tier_id).items()
+                reclaimed.add(now, {row.key: Reclaimed(float(n) * PAGE_SIZE) for row, n in rows})
             self.tier_first_seen.setdefault(tier_id, now)
 
     def owners(self) -> dict[int, list[Tracked]]:
@@ -281,21 +276,22 @@ class MemoryFamily:
             return []
         out = []
         for tier in self.tiers.tiers.values():
-            series = self.tier_series.get(tier.tier_id)
-            if series is not None:
-                out.append(TierPageLoss(tier.tier_id, series.last(sn.RECLAIM_BYTES), series.last(sn.POLICY_BYTES)))
+            pages = self.tier_pages.get(tier.tier_id)
+            if pages is not None:
+                c = pages.last(PAGES)
+                out.append(TierPageLoss(tier.tier_id, c.reclaim_bytes, c.policy_bytes))
         return out
 
     def tier_windows(
         self, now: float, processes: dict[str, ProcessWindow], owners: Mapping[int, list[Tracked]]
     ) -> dict[str, TierWindow]:
-        """What the tier detectors see: each tier's series, labelled by its first owner."""
+        """What the tier detectors see: each tier's page-cache history, labelled by its first owner."""
         if self.tiers is None:
             return {}
         windows: dict[str, TierWindow] = {}
         for tier in self.tiers.tiers.values():
-            series = self.tier_series.get(tier.tier_id)
-            if series is None:
+            pages = self.tier_pages.get(tier.tier_id)
+            if pages is None:
                 continue
             tier_owners = tuple(processes[t.key] for t in owners.get(tier.tier_id, ()))
             labels = {"tier": tier.name}
@@ -305,7 +301,7 @@ class MemoryFamily:
             windows[key] = TierWindow(
                 subject=Subject(key, labels),
                 age=now - self.tier_first_seen.get(tier.tier_id, now),
-                series=series,
+                pages=pages,
                 owners=tier_owners,
             )
         return windows
@@ -331,8 +327,9 @@ class MemoryFamily:
             return ()
         views = []
         for tier in self.tiers.tiers.values():
-            s = self.tier_series.get(tier.tier_id, SeriesSet())
-            r = s.rates((sn.RECLAIM_BYTES, sn.POLICY_BYTES, sn.REFAULT_PAGES), RATE_WINDOW)
+            pages = self.tier_pages.get(tier.tier_id) or History(TierCounters)
+            d, dt = pages.delta(PAGES, RATE_WINDOW)
+            per_second = 1.0 / dt if dt > 0 else 0.0
             views.append(
                 TierView(
                     key=f"tier:{tier.tier_id}",
@@ -342,24 +339,25 @@ class MemoryFamily:
                     source=tier.source,
                     owners=tuple(sorted(t.pid for t in owners.get(tier.tier_id, ()))),
                     files=len(tier.files),
-                    totals=TierCounters(
-                        reclaim_bytes=s.last(sn.RECLAIM_BYTES),
-                        policy_bytes=s.last(sn.POLICY_BYTES),
-                        reclaim_pages=s.last(sn.RECLAIM_PAGES),
-                        policy_pages=s.last(sn.POLICY_PAGES),
-                        refault_pages=s.last(sn.REFAULT_PAGES),
-                        added_pages=s.last(sn.ADDED_PAGES),
+                    totals=pages.last(PAGES),
+                    rates=TierRates(
+                        d.reclaim_bytes * per_second, d.policy_bytes * per_second, d.refault_pages * per_second
                     ),
-                    rates=TierRates(r[sn.RECLAIM_BYTES], r[sn.POLICY_BYTES], r[sn.REFAULT_PAGES]),
-                    reclaimers=self._reclaimer_views(tier.tier_id, s),
+                    reclaimers=self._reclaimer_views(tier.tier_id),
                 )
             )
         return tuple(views)
 
-    def _reclaimer_views(self, tier_id: int, s: SeriesSet) -> tuple[TierReclaimer, ...]:
+    def _reclaimer_views(self, tier_id: int) -> tuple[TierReclaimer, ...]:
         """Who reclaimed the tier: its rows, the largest first."""
         if self.reclaimers is None:
             return ()
+        reclaimed = self.tier_reclaimed.get(tier_id) or History(Reclaimed)
+
+        def rate(key: str) -> float:
+            d, dt = reclaimed.delta(key, RATE_WINDOW)
+            return d.bytes / dt if dt > 0 else 0.0
+
         rows = [
             TierReclaimer(
                 reclaimer=row.reclaimer,
@@ -367,9 +365,15 @@ class MemoryFamily:
                 cgroup=row.cgroup,
                 pod_uid=row.pod_uid,
                 container=row.container,
-                bytes=s.last(sn.RECLAIMED_BYTES + row.key),
-                bytes_per_second=s.rate(sn.RECLAIMED_BYTES + row.key, RATE_WINDOW),
+                bytes=reclaimed.last(row.key).bytes,
+                bytes_per_second=rate(row.key),
             )
             for row in self.reclaimers.book.rows(tier_id)
         ]
         return tuple(sorted(rows, key=lambda r: (-r.bytes, r.reclaimer, r.scope, r.cgroup)))
+
+    def _tier_pages(self, tier_id: int) -> History[TierCounters]:
+        pages = self.tier_pages.get(tier_id)
+        if pages is None:
+            pages = self.tier_pages[tier_id] = History(TierCounters, TIER_HISTORY_SECONDS)
+        return pages

@@ -16,10 +16,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.snapshot import ProbeView
+from kvwatch.daemon.model.uprobes import UprobeState
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.probes.errors import ProbeError
 from kvwatch.probes.records import HookState
@@ -38,9 +38,10 @@ class UprobeFamily(Generic[P, T]):
         errors: ErrorBook,
         *,
         enabled: bool,
-        more_readings: Callable[[int], dict[str, float]] | None = None,
+        more_observations: Callable[[Tracked], None] | None = None,
     ) -> None:
-        """``more_readings``: more of a process's readings its series carry (the CUDA family: NVML's)."""
+        """``more_observations``: more of an attached process's observations to take with the
+        family's (the CUDA family: NVML's)."""
         self.name = name
         self.probes = probes
         self.probe_apis = tuple(type(probes).apis) if probes is not None else ()
@@ -53,7 +54,7 @@ class UprobeFamily(Generic[P, T]):
         self._stop = threading.Event()
         self._attacher: threading.Thread | None = None
         self._errors = errors
-        self.more_readings = more_readings
+        self.more_observations = more_observations
         self.syncs = 0  # attacher passes done (tests wait on it)
 
     def start(self) -> None:
@@ -108,20 +109,19 @@ class UprobeFamily(Generic[P, T]):
     def sample(self, tracked: Iterable[Tracked], now: float) -> None:
         if self.tracker is None:
             return
+        tracker = self.tracker
         for t in tracked:
-            values = self.tracker.series(t.pid)
-            if values is not None:
-                if self.more_readings is not None:
-                    values.update(self.more_readings(t.pid))
-                calls = self.tracker.calls(t.pid)
-                if calls is not None:
-                    values[f"{sn.UPROBE_CALLS}{self.name}"] = calls
-                t.series.add(now, values)
-                self.tracker.observe(t, now)
-                gauges = self.tracker.gauges(t.pid)
-                gauges[f"{sn.UPROBES_SHED}{self.name}"] = float(self.tracker.is_shed(t.pid))
-                gauges[f"{sn.UPROBE_SYMBOLS}{self.name}"] = float(self.tracker.symbols_attached(t.pid))
-                t.series.set_gauges(gauges)
+            if t.pid not in tracker.attached:
+                continue
+            tracker.observe(t, now)
+            if self.more_observations is not None:
+                self.more_observations(t)
+            calls = tracker.calls(t.pid)
+            t.uprobes[self.name] = UprobeState(
+                calls=calls if calls is not None else 0.0,
+                shed=tracker.is_shed(t.pid),
+                symbols=tracker.symbols_attached(t.pid),
+            )
 
     # --- what the snapshot shows of the family (frozen data) ------------------------------------
     def probe_views(self) -> list[ProbeView]:

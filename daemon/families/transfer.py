@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import Config
 from kvwatch.daemon.families.attachments import FamilyTracker
 from kvwatch.daemon.families.runner import UprobeFamily
@@ -96,13 +95,6 @@ class TransferTracker(FamilyTracker):
             return 0.0
         return float(sum(x.calls for x in c.xfers.values()) + c.reg_calls + c.dereg_calls)
 
-    def series(self, pid: int) -> dict[str, float] | None:
-        if pid not in self.attached:
-            return None
-        c = self._counters.get(pid)
-        # every byte moved, any library (UCX puts beneath a NIXL post are the post's bytes)
-        return {sn.XFER_BYTES: float(sum(x.bytes for x in c.xfers.values())) if c is not None else 0.0}
-
     def observe(self, t: Tracked, now: float) -> None:
         """The process's NIXL transfers: cumulative counts into its history, and those in flight."""
         counts = self._counts(t.pid)
@@ -127,7 +119,8 @@ class TransferTracker(FamilyTracker):
             seconds += (p.duration_ns - base[1]) / 1e9
             completed += p.completed - base[2]
         posts = float(sum(x.calls for (lib, _op), x in c.xfers.items() if lib == "nixl"))
-        return TransferCounts(posts=posts, completed=completed, bytes=nbytes, seconds=seconds)
+        moved = float(sum(x.bytes for x in c.xfers.values()))  # UCX puts beneath a NIXL post are the post's bytes
+        return TransferCounts(posts=posts, completed=completed, bytes=nbytes, seconds=seconds, moved_bytes=moved)
 
     def _in_flight_of(self, pid: int) -> TransfersInFlight:
         """Transfers to known (mature) peers posted and not done yet."""

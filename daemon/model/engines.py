@@ -96,6 +96,18 @@ class LossTotal:
 
 
 @dataclass(frozen=True, slots=True)
+class LostBytes:
+    """One (tier, cause) row of an engine process's KV loss ledger, in bytes, cumulative: kept in
+    the process's ``losses`` history under ``loss_key(tier, cause)`` for its rate."""
+
+    bytes: float = 0.0
+
+
+def loss_key(tier: str, cause: str) -> str:
+    return f"{tier}/{cause}"
+
+
+@dataclass(frozen=True, slots=True)
 class TenantRow:
     """One tenant's blocks in one medium of an engine (logical, summed over its streams)."""
 

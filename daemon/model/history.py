@@ -10,7 +10,7 @@ attributes, so mypy checks them; there are no string-keyed names to keep in step
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvwatch.daemon.model.series import CounterSeries
@@ -42,6 +42,11 @@ class History(Generic[Obs]):
                 series = self._series[key] = tuple(CounterSeries(self.horizon) for _ in self._fields)
             for s, name in zip(series, self._fields, strict=True):
                 s.add(t, float(getattr(counts, name)))
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Forget keys that will not be written again (a row folded into another)."""
+        for key in keys:
+            self._series.pop(key, None)
 
     def __bool__(self) -> bool:
         return bool(self._series)

@@ -1,14 +1,13 @@
-"""Per-subject time series of cumulative counters, and rates over trailing windows.
+"""A time series of one cumulative counter, and its increase over trailing windows.
 
-The kernel keeps cumulative counters; each tick appends (time, value) here and
-detectors ask for the rate over the last W seconds. Bounded: samples older than
-the horizon are dropped.
+Sources keep cumulative counters; each tick appends (time, value) here and readers ask for the
+increase (or rate) over the last W seconds. Bounded: samples older than the horizon are dropped.
+A ``History`` (``history.py``) keeps one per field of a typed observation.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -57,45 +56,3 @@ class CounterSeries:
             return v0
         t1, v1 = self.samples[later + 1]
         return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-
-
-@dataclass(slots=True)
-class SeriesSet:
-    """Named counter series of one subject (a process or a tier), and its latest gauges."""
-
-    horizon: float = 600.0
-    series: dict[str, CounterSeries] = field(default_factory=dict)
-    gauges: dict[str, float] = field(default_factory=dict)
-
-    def set_gauges(self, values: dict[str, float]) -> None:
-        self.gauges.update(values)
-
-    def gauge(self, name: str) -> float:
-        return self.gauges.get(name, 0.0)
-
-    def add(self, t: float, values: dict[str, float]) -> None:
-        for name, v in values.items():
-            s = self.series.get(name)
-            if s is None:
-                s = self.series[name] = CounterSeries(self.horizon)
-            s.add(t, v)
-
-    def drop(self, names: Iterable[str]) -> None:
-        """Forget series that will not be written again."""
-        for name in names:
-            self.series.pop(name, None)
-
-    def rate(self, name: str, window: float) -> float:
-        s = self.series.get(name)
-        return s.rate(window) if s else 0.0
-
-    def delta(self, name: str, window: float) -> float:
-        s = self.series.get(name)
-        return s.delta(window)[0] if s else 0.0
-
-    def last(self, name: str) -> float:
-        s = self.series.get(name)
-        return s.last if s else 0.0
-
-    def rates(self, names: Iterable[str], window: float) -> dict[str, float]:
-        return {n: self.rate(n, window) for n in names}

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.model.engines import AuditRow, EngineView, LossTotal, TenantsView
+from kvwatch.daemon.model.memory import MemoryCounters, TierCounters
 from kvwatch.probes.records import ApiCounters, XferCounters
 
 
@@ -99,17 +100,6 @@ class TransferView:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryCounters:
-    """A process's kernel-memory counters, cumulative since kvwatch began watching it."""
-
-    page_free_pages: float = 0.0
-    direct_reclaim_seconds: float = 0.0  # stalled in global direct reclaim
-    direct_reclaim_count: float = 0.0
-    memcg_reclaim_seconds: float = 0.0  # stalled reclaiming against its memory cgroup's limit
-    memcg_reclaim_count: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class ProcessRates:
     """Per second, over the snapshot's rate window."""
 
@@ -124,19 +114,6 @@ class ProcessRates:
     kv_removed_blocks: Mapping[str, float] = field(default_factory=dict)  # by medium
     kv_regretted_blocks: Mapping[str, float] = field(default_factory=dict)  # by medium
     kv_lost_bytes: Mapping[tuple[str, str], float] = field(default_factory=dict)  # by (tier, cause)
-
-
-@dataclass(frozen=True, slots=True)
-class TierCounters:
-    """A KV tier's page cache, cumulative: bytes and pages dropped by reclaim or by the engine
-    deleting its files, pages read back after reclaim, pages added."""
-
-    reclaim_bytes: float = 0.0
-    policy_bytes: float = 0.0
-    reclaim_pages: float = 0.0
-    policy_pages: float = 0.0
-    refault_pages: float = 0.0
-    added_pages: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

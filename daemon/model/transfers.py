@@ -24,6 +24,7 @@ class TransferCounts:
     completed: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
+    moved_bytes: float = 0.0  # bytes posted by every transfer library, any peer (the process's transfer rate)
 
 
 @dataclass(frozen=True, slots=True)

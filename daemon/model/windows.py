@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvwatch.daemon.model.cuda import AllocatorCounts
+from kvwatch.daemon.model.cuda import AllocatorCounts, CopyCounts, GpuUse
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState, ScrapeCounts
 from kvwatch.daemon.model.engines import AuditRow, TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import NO_STREAM, KVState, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.memory import MemoryCounters, TierCounters
 from kvwatch.daemon.model.transfers import NONE_IN_FLIGHT, TransferCounts, TransfersInFlight
+from kvwatch.daemon.model.uprobes import UprobeState
 from kvwatch.probes.records import HookStatus
 
 
@@ -20,7 +21,6 @@ from kvwatch.probes.records import HookStatus
 class ProcessWindow:
     subject: Subject
     age: float  # seconds since kvwatch first saw the process
-    series: SeriesSet  # page_free_pages, direct_reclaim_seconds, memcg_reclaim_seconds, ...
     alive: bool = True
     psi_some_avg10: float | None = None  # the process's memory cgroup, where known
     environ: Mapping[str, str] = field(default_factory=dict)
@@ -34,13 +34,18 @@ class ProcessWindow:
     kv: History[MediumCounts] = field(default_factory=lambda: History(MediumCounts))  # KV events by medium
     kv_events: History[StreamEvents] = field(default_factory=lambda: History(StreamEvents))  # under STREAM
     kv_state: KVState = NO_STREAM  # the KV event stream's gauges
+    memory: History[MemoryCounters] = field(default_factory=lambda: History(MemoryCounters))  # under MEMORY
+    copies: History[CopyCounts] = field(default_factory=lambda: History(CopyCounts))  # CUDA copies
+    gpu: GpuUse = field(default_factory=GpuUse)  # NVML's
+    uprobes: Mapping[str, UprobeState] = field(default_factory=dict)  # by uprobe family
+    uprobe_cost_ratio: float | None = None  # what the uprobes cost the process
 
 
 @dataclass(frozen=True, slots=True)
 class TierWindow:
     subject: Subject
     age: float
-    series: SeriesSet  # reclaim_pages, policy_pages, refault_pages, added_pages (+ _bytes)
+    pages: History[TierCounters]  # its page cache, under PAGES
     owners: Sequence[ProcessWindow] = ()
 
 

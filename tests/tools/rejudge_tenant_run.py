@@ -21,7 +21,6 @@ from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 PREFIX = "kvwatch_kv_tenant_blocks_"
@@ -52,7 +51,7 @@ def main() -> None:
             if t < seen:
                 continue
             tenants.add(t, {name: TenantCounts(**got) for name, got in now.items()})
-            window = ProcessWindow(subject, t - seen, SeriesSet(), tenants=tenants)
+            window = ProcessWindow(subject, t - seen, tenants=tenants)
             for fd in detector.evaluate(NodeView(t, {"engine": window}, {})):
                 tenant = fd.subject.labels["tenant"]
                 if fd.firing != firing.get(tenant, False):

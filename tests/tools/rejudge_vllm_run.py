@@ -25,7 +25,6 @@ from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, S
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 THRASH_SECONDS = 10.0
@@ -117,9 +116,7 @@ def main() -> None:
                 engine.add(t, {ENGINE: scrape_counts(smp)})
                 state = EngineState(True, bool(smp.sleeping), True, smp.usage, scrape=smp)
         subject = Subject("engine", {"pid": "api_server"})
-        window = ProcessWindow(
-            subject, t - start + 5, SeriesSet(), engine=engine, engine_state=state, kv=kv, kv_events=kv_events
-        )
+        window = ProcessWindow(subject, t - start + 5, engine=engine, engine_state=state, kv=kv, kv_events=kv_events)
         for f in det.evaluate(NodeView(t, {"engine": window}, {})):
             if f.firing != firing:
                 print(describe(f, t, marks))

@@ -14,12 +14,13 @@ from kvwatch.daemon.config import MetricDivergenceConfig
 from kvwatch.daemon.detectors.metric_divergence import EngineMetricDivergence
 from kvwatch.daemon.engines.audit import AuditInputs, AuditSettings, Evidence, ProcessAudit, divergence, diverges
 from kvwatch.daemon.engines.metrics import parse_exposition
+from kvwatch.daemon.model.cuda import TREE, CopyCounts
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState
 from kvwatch.daemon.model.engines import AuditRow, EngineSample
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import NO_STREAM, STREAM, KVState, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import CounterSeries, SeriesSet
+from kvwatch.daemon.model.series import CounterSeries
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import REAL_BLOCK_BYTES
 from tests.tools.vllm_run_fixtures import uncompact
@@ -29,9 +30,9 @@ MIB = 1 << 20
 SETTINGS = AuditSettings(window_seconds=10.0, tolerance=0.10, floor_bytes=64 * MIB)
 
 
-def inputs(copies: SeriesSet) -> AuditInputs:
-    """An engine process's readings: the tree's copy sums in ``copies``, its stream's counts empty."""
-    return AuditInputs(copies, History(MediumCounts), History(StreamEvents), NO_STREAM, NO_ENGINE)
+def inputs() -> AuditInputs:
+    """An engine process's readings, empty: its tree's copy sums, its stream's counts."""
+    return AuditInputs(History(CopyCounts), History(MediumCounts), History(StreamEvents), NO_STREAM, NO_ENGINE)
 
 
 FULL_EVIDENCE = Evidence(copy_probes=1.0, block_bytes=REAL_BLOCK_BYTES)  # probes attached, block size known
@@ -49,23 +50,18 @@ def feed(
 ) -> tuple[ProcessAudit, list[tuple[AuditRow, ...]]]:
     """An engine offloading ``bytes_per_second`` in whole 512 KiB blocks; kvwatch's stream and
     copy probes read every second, the engine's counter every ``scrape_every`` seconds."""
-    s = SeriesSet()
-    x = inputs(s)
+    x = inputs()
     audit = ProcessAudit(SETTINGS)
     rows = []
     engine = NO_ENGINE
     blocks_per_second = bytes_per_second / REAL_BLOCK_BYTES
     for t in range(seconds):
         blocks = int(blocks_per_second * t)
-        values = {
-            "engine_tree_copy_d2h_bytes": blocks * REAL_BLOCK_BYTES * copies_share,
-            "engine_tree_copy_h2d_bytes": 0.0,
-        }
         if t % scrape_every == 0:
             stored = int(blocks * engine_share) * float(REAL_BLOCK_BYTES)
             sample = EngineSample(float(t), offload_store_bytes=stored, offload_load_bytes=0.0)
             engine = EngineState(tapped=True, fresh=True, scrape=sample)
-        s.add(float(t), values)
+        x.copies.add(float(t), {TREE: CopyCounts(d2h_bytes=blocks * REAL_BLOCK_BYTES * copies_share)})
         x.kv.add(float(t), {"CPU": MediumCounts(physical_stored=float(blocks))})
         x.kv_events.add(float(t), {STREAM: StreamEvents(batches_lost=float(lost_at is not None and t >= lost_at))})
         rows.append(audit.update(replace(x, engine=engine), evidence, float(t)))
@@ -130,7 +126,7 @@ def test_under_the_floor_nothing_is_judged() -> None:
 
 
 def test_resident_blocks_bound() -> None:
-    x = inputs(SeriesSet())
+    x = inputs()
     audit = ProcessAudit(SETTINGS)
     rows: tuple[AuditRow, ...] = ()
     for t, resident in enumerate([500.0] * 11 + [2600.0] * 11):
@@ -147,7 +143,7 @@ def test_resident_blocks_bound() -> None:
 
 
 def _window(rows: tuple[AuditRow, ...]) -> NodeView:
-    p = ProcessWindow(Subject("pid:7@1", {"pid": "7", "engine": "vllm"}), 100.0, SeriesSet(), audit=rows)
+    p = ProcessWindow(Subject("pid:7@1", {"pid": "7", "engine": "vllm"}), 100.0, audit=rows)
     return NodeView(now=0.0, processes={"pid:7@1": p}, tiers={})
 
 
@@ -186,7 +182,7 @@ def real_run_audit(window: float) -> tuple[list[AuditRow], list[bool], int]:
     run = json.loads(gzip.decompress((FIXTURES / "vllm_run" / "pressure.json.gz").read_bytes()))
     pages = [(t, parse_exposition(text, at=t)) for t, text in run["pages"]]
     batches = run["batches"]
-    x = inputs(SeriesSet())
+    x = inputs()
     audit = ProcessAudit(AuditSettings(window_seconds=window))
     det = EngineMetricDivergence(MetricDivergenceConfig())
     judged: list[AuditRow] = []
@@ -236,9 +232,9 @@ def test_a_firing_alert_clears_when_its_evidence_stops() -> None:
     det = EngineMetricDivergence(MetricDivergenceConfig(confirm_windows=3, clear_windows=2, window_seconds=10.0))
     _, bad = feed(41, engine_share=0.5)
     for t, rows in enumerate(bad):
-        p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, SeriesSet(), audit=rows)
+        p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, audit=rows)
         det.evaluate(NodeView(now=float(t), processes={"pid:7@1": p}, tiers={}))
-    p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, SeriesSet(), audit=bad[-1])
+    p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, audit=bad[-1])
     view = lambda t: NodeView(now=t, processes={"pid:7@1": p}, tiers={})  # noqa: E731 - the same rows, later
     assert det.evaluate(view(45.0))[0].firing
     assert det.evaluate(view(50.0))[0].firing  # one window's time without a judgement: one cool step

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvwatch.daemon import series_names as sn
 from kvwatch.daemon.config import SelfCostConfig
 from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.families.cost import Sample, SelfCost, hot_apis
 from kvwatch.daemon.model.findings import Subject
-from kvwatch.daemon.model.series import SeriesSet
+from kvwatch.daemon.model.uprobes import UprobeState
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CONFIG = SelfCostConfig(budget=0.01, window_seconds=2.0, windows=3, backoff_seconds=10.0, backoff_max_seconds=25.0)
@@ -122,11 +121,11 @@ def test_hot_apis() -> None:
 
 
 def test_shed_detector() -> None:
-    s = SeriesSet()
-    s.set_gauges({"uprobes_shed:cuda": 1.0, "uprobes_shed:transfer": 0.0, sn.UPROBE_COST_RATIO: 0.02})
-    p = ProcessWindow(Subject("k", {"pid": "7"}), 10.0, s)
+    shed = {"cuda": UprobeState(calls=9.0, shed=True, symbols=4), "transfer": UprobeState(symbols=2)}
+    p = ProcessWindow(Subject("k", {"pid": "7"}), 10.0, uprobes=shed, uprobe_cost_ratio=0.02)
     (f,) = ProbeShed().evaluate(NodeView(now=0.0, processes={"k": p}, tiers={}))
     assert f.firing and f.cause == "cuda" and "2.0%" in f.summary
-    s.set_gauges({"uprobes_shed:cuda": 0.0})
+    assert f.values == {"uprobe_cost_ratio": 0.02}
+    p = ProcessWindow(Subject("k", {"pid": "7"}), 10.0, uprobes={**shed, "cuda": UprobeState(symbols=4)})
     (f,) = ProbeShed().evaluate(NodeView(now=0.0, processes={"k": p}, tiers={}))
     assert not f.firing

@@ -10,7 +10,9 @@ from kvwatch.daemon.detectors.host_tier import ALERT, HostTierEviction
 from kvwatch.daemon.detectors.oom import OOMKilled
 from kvwatch.daemon.detectors.probe_down import ProbeDown
 from kvwatch.daemon.model.findings import Subject
-from kvwatch.daemon.model.series import CounterSeries, SeriesSet
+from kvwatch.daemon.model.history import History
+from kvwatch.daemon.model.memory import MEMORY, PAGES, MemoryCounters, TierCounters
+from kvwatch.daemon.model.series import CounterSeries
 from kvwatch.daemon.model.windows import NodeView, OomEvent, ProcessWindow, TierWindow
 from kvwatch.probes.records import HookState, HookStatus
 
@@ -23,8 +25,8 @@ class TierSim:
 
     def __init__(self, config: HostTierEvictionConfig, *, owner_age: float = 1000.0) -> None:
         self.detector = HostTierEviction(config)
-        self.tier = SeriesSet()
-        self.owner = SeriesSet()
+        self.tier: History[TierCounters] = History(TierCounters)
+        self.owner: History[MemoryCounters] = History(MemoryCounters)
         self.t = 0.0
         self.totals = {"reclaim_pages": 0.0, "policy_pages": 0.0, "refault_pages": 0.0, "added_pages": 0.0}
         self.stall = 0.0
@@ -44,9 +46,10 @@ class TierSim:
         self.totals["refault_pages"] += pages * refault_frac
         self.totals["policy_pages"] += policy_mib_s * MIB / PAGE
         self.stall += stall_s
-        self.tier.add(self.t, {**self.totals, "reclaim_bytes": self.totals["reclaim_pages"] * PAGE})
-        self.owner.add(self.t, {"direct_reclaim_seconds": 0.0, "memcg_reclaim_seconds": self.stall})
-        owner = ProcessWindow(Subject("pid:1@1", {"pid": "1", "engine": "vllm"}), self.owner_age + self.t, self.owner)
+        self.tier.add(self.t, {PAGES: TierCounters(**self.totals, reclaim_bytes=self.totals["reclaim_pages"] * PAGE)})
+        self.owner.add(self.t, {MEMORY: MemoryCounters(memcg_reclaim_seconds=self.stall)})
+        subject = Subject("pid:1@1", {"pid": "1", "engine": "vllm"})
+        owner = ProcessWindow(subject, self.owner_age + self.t, memory=self.owner)
         tw = TierWindow(Subject("tier:0", {"tier": "t"}), 1000.0 + self.t, self.tier, (owner,))
         view = NodeView(now=self.t, processes={}, tiers={"tier:0": tw}, psi_memory_some_avg10=self.psi)
         (f,) = self.detector.evaluate(view)

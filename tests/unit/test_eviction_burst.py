@@ -9,12 +9,12 @@ import pytest
 from kvwatch.daemon.alerts import AlertBook
 from kvwatch.daemon.config import EvictionBurstConfig
 from kvwatch.daemon.detectors.eviction_burst import EvictionBurst
+from kvwatch.daemon.model.cuda import CUDA, CopyCounts
 from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, ScrapeCounts
 from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import NO_STREAM, STREAM, KVState, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CFG = EvictionBurstConfig(
@@ -108,7 +108,6 @@ class Run:
             p = ProcessWindow(
                 Subject("7@1", {"pid": "7", "engine": "vllm"}),
                 e.t,
-                SeriesSet(),
                 engine=e.engine,
                 engine_state=e.state,
                 kv=e.kv,
@@ -288,7 +287,7 @@ def test_os_side_copy_churn_without_engine_data() -> None:
     """No stream, no engine metrics: KV offloaded and reloaded (CUDA copies both ways) far above
     baseline is the store-then-reload churn; one direction alone is not."""
     det = EvictionBurst(CFG)
-    s = SeriesSet()
+    copies: History[CopyCounts] = History(CopyCounts)
     t, d2h, h2d = 0.0, 0.0, 0.0
     mib = 1 << 20
     fired: list[Finding] = []
@@ -299,8 +298,8 @@ def test_os_side_copy_churn_without_engine_data() -> None:
             t += 1
             d2h += down
             h2d += up
-            s.add(t, {"cuda_copy_d2h_bytes": d2h, "cuda_copy_h2d_bytes": h2d, "cuda_alloc_calls": 0.0})
-            p = ProcessWindow(Subject("9@1", {"pid": "9"}), t, s)
+            copies.add(t, {CUDA: CopyCounts(h2d_bytes=h2d, d2h_bytes=d2h)})
+            p = ProcessWindow(Subject("9@1", {"pid": "9"}), t, copies=copies)
             fired.extend(f for f in det.evaluate(NodeView(t, {"9@1": p}, {})) if f.firing)
 
     run(60, 2 * mib, 2 * mib)  # a steady trickle

@@ -13,7 +13,6 @@ from kvwatch.daemon.model.engine_scrape import ENGINE, EngineState, ScrapeCounts
 from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CFG = PreemptionLivelockConfig(warmup_seconds=10, baseline_min_seconds=20, window_seconds=5, clear_windows=3)
@@ -36,7 +35,7 @@ class Engine:
         self.engine.add(self.t, {ENGINE: ScrapeCounts(preemptions=self.preempted, generation_tokens=self.tokens)})
         sample = EngineSample(self.t, preemptions=self.preempted, generation_tokens=self.tokens)
         state = EngineState(tapped=True, fresh=True, scrape=sample)
-        window = ProcessWindow(SUBJECT, age=self.t, series=SeriesSet(), engine=self.engine, engine_state=state)
+        window = ProcessWindow(SUBJECT, age=self.t, engine=self.engine, engine_state=state)
         (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f
 

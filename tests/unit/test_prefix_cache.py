@@ -18,7 +18,6 @@ from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 CFG = PrefixCacheIneffectiveConfig(warmup_seconds=10, window_seconds=20, clear_windows=3)
@@ -68,7 +67,7 @@ class Engine:
         self.engine.add(self.t, {ENGINE: ScrapeCounts(prefix_queries=self.queried, prefix_hits=self.hits)})
         state = EngineState(True, fresh=True, scrape=EngineSample(self.t, prefix_queries=self.queried))
         window = ProcessWindow(
-            SUBJECT, self.t, SeriesSet(), engine=self.engine, engine_state=state, kv=self.kv, kv_events=self.kv_events
+            SUBJECT, self.t, engine=self.engine, engine_state=state, kv=self.kv, kv_events=self.kv_events
         )
         (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f

@@ -21,7 +21,6 @@ from kvwatch.daemon.engines.cmdline import MAX_DATA_PARALLEL_RANKS, plan_from_cm
 from kvwatch.daemon.engines.reach import Reach, local_addresses
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.model.engines import EnginePlan, EngineView
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.tracker import Tracked
 from kvwatch.exporters.prom_engines import engine_families
 from tests.support.procfs import FakeProc, make_proc
@@ -53,7 +52,7 @@ def plan(tmp_path: Path, argv: list[str], *, pod: bool = False, local: tuple[str
         (root / "300" / "net" / "if_inet6").write_text(IF_INET6)
     fs = ProcFS(tmp_path)
     (proc,) = Discovery(DiscoveryConfig(proc_root=root), fs).scan()
-    p = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), argv, EnginesConfig(), Reach(fs))
+    p = plan_from_cmdline(Tracked(proc, 0.0), argv, EnginesConfig(), Reach(fs))
     assert p is not None
     return p
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from kvwatch.daemon.config import ReuseCollapseConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.reuse_collapse import ALERT, GROWTH, ReuseCollapse, allocator_settings
-from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts
+from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts, GpuUse
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
 MIB = 1024 * 1024
@@ -18,7 +17,6 @@ MIB = 1024 * 1024
 class Proc:
     def __init__(self, config: ReuseCollapseConfig, environ: dict[str, str] | None = None, age: float = 1000.0) -> None:
         self.det = ReuseCollapse(config)
-        self.series = SeriesSet()
         self.allocator: History[AllocatorCounts] = History(AllocatorCounts)
         self.tot = AllocatorCounts()
         self.t = 0.0
@@ -54,14 +52,13 @@ class Proc:
             max_alloc=max(t.max_alloc, pool),
         )
         self.allocator.add(self.t, {CUDA: self.tot})
-        self.series.add(self.t, {"gpu_device_total_bytes": 140e9})
         pw = ProcessWindow(
             Subject("p", {"pid": "1"}),
             self.age + self.t,
-            self.series,
             environ=self.environ,
             allocator=self.allocator,
             engine_state=self.engine,
+            gpu=GpuUse(device_total_bytes=140e9),
         )
         out = {f.alert: f for f in self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))}
         return out

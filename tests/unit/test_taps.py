@@ -18,7 +18,6 @@ from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.engines import MediumTotals, StreamSpec, StreamStats
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.tracker import Tracked
 from tests.support.procfs import FakeProc, make_proc
 
@@ -56,7 +55,7 @@ def tracked(
         (root / str(pid) / "net" / "fib_trie").write_text(FIB_TRIE)
     fs = ProcFS(tmp_path)
     (proc,) = Discovery(DiscoveryConfig(proc_root=root), fs).scan()
-    return Tracked(proc, 0.0, SeriesSet()), Reach(fs)
+    return Tracked(proc, 0.0), Reach(fs)
 
 
 def plan(tmp_path: Path, argv: list[str], cfg: EnginesConfig | None = None, **kw: Any) -> Any:
@@ -188,9 +187,9 @@ def test_one_owner_per_endpoint_and_config_wins(tmp_path: Path) -> None:
     )
     procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), ProcFS(tmp_path)).scan()}
     t = [
-        Tracked(procs[400], 1.0, SeriesSet()),
-        Tracked(procs[401], 2.0, SeriesSet()),
-        Tracked(procs[402], 3.0, SeriesSet()),
+        Tracked(procs[400], 1.0),
+        Tracked(procs[401], 2.0),
+        Tracked(procs[402], 3.0),
     ]
     cfg = parse(
         Config,
@@ -254,14 +253,14 @@ def test_wrapper_carrying_kv_events_config_is_tapped(tmp_path: Path) -> None:
     fs = ProcFS(tmp_path)
     (proc,) = Discovery(DiscoveryConfig(proc_root=root, pids=[77]), fs).scan()
     assert proc.labels.engine == "unknown"
-    p = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), argv, EnginesConfig(), Reach(fs))
+    p = plan_from_cmdline(Tracked(proc, 0.0), argv, EnginesConfig(), Reach(fs))
     assert p is not None and [s.endpoint for s in p.streams] == ["tcp://127.0.0.1:5557"]
     assert p.metrics_url is None
     with_port = [*argv, "--port", "8100"]
-    p2 = plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), with_port, EnginesConfig(), Reach(fs))
+    p2 = plan_from_cmdline(Tracked(proc, 0.0), with_port, EnginesConfig(), Reach(fs))
     assert p2 is not None and p2.metrics_url == "http://127.0.0.1:8100/metrics"
     bare = ["/usr/bin/python3", "/srv/launch_llm.py", "--model", "m"]
-    assert plan_from_cmdline(Tracked(proc, 0.0, SeriesSet()), bare, EnginesConfig(), Reach(fs)) is None
+    assert plan_from_cmdline(Tracked(proc, 0.0), bare, EnginesConfig(), Reach(fs)) is None
 
 
 def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
@@ -293,7 +292,7 @@ def test_endpoints_name_processes_to_watch(tmp_path: Path) -> None:
     assert (found[82].labels.engine, found[82].source) == ("unknown", "manual")
     hub, scraper = _Recorder(), _Recorder()
     taps = EngineTaps(cfg.engines, ProcFS(tmp_path), ErrorBook(), hub=hub, scraper=scraper)  # type: ignore[arg-type]
-    taps.sync([Tracked(found[81], 1.0, SeriesSet()), Tracked(found[82], 1.0, SeriesSet())])
+    taps.sync([Tracked(found[81], 1.0), Tracked(found[82], 1.0)])
     assert [s.endpoint for s in hub.streams] == ["tcp://127.0.0.1:6000"]
     assert [t.url for t in scraper.targets] == ["http://127.0.0.1:9100/metrics"]
 
@@ -325,7 +324,7 @@ def test_an_engines_other_processes_learn_its_sleep(tmp_path: Path) -> None:
     )
     fs = ProcFS(tmp_path)
     procs = {p.pid: p for p in Discovery(DiscoveryConfig(proc_root=root), fs).scan()}
-    t = {pid: Tracked(procs[pid], float(pid), SeriesSet()) for pid in procs}
+    t = {pid: Tracked(procs[pid], float(pid)) for pid in procs}
     scraper = _Sleeping()
     taps = EngineTaps(EnginesConfig(), fs, ErrorBook(), hub=_Recorder(), scraper=scraper, clock=lambda: 1.0)  # type: ignore[arg-type]
     taps.sync(t.values())

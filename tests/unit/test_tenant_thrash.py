@@ -23,7 +23,6 @@ from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 from tests.support.kv_scripts import SCRIPT_SPEC
 
@@ -78,7 +77,7 @@ class Engine:
         self.kv_events.add(self.t, {STREAM: events})
         self.tenants.add(self.t, self.folds.pool(SUBJECT.key, [stats]))
         window = ProcessWindow(
-            SUBJECT, self.t, SeriesSet(), tenants=self.tenants, kv=self.kv, kv_events=self.kv_events, kv_state=state
+            SUBJECT, self.t, tenants=self.tenants, kv=self.kv, kv_events=self.kv_events, kv_state=state
         )
         view = NodeView(self.t, {SUBJECT.key: window}, {})
         return {f.subject.labels["tenant"]: f for f in self.detector.evaluate(view) if f.firing}

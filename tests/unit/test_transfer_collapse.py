@@ -11,7 +11,6 @@ from kvwatch.daemon.families.transfer import link_bytes_per_second
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -38,7 +37,7 @@ class Sim:
         )
         self.transfers.add(self.t, {NIXL: self.tot})
         pw = ProcessWindow(
-            Subject("p", {"pid": "7"}), 1000 + self.t, SeriesSet(), transfers=self.transfers, in_flight=self.in_flight
+            Subject("p", {"pid": "7"}), 1000 + self.t, transfers=self.transfers, in_flight=self.in_flight
         )
         (f,) = self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))
         return f

@@ -21,7 +21,6 @@ from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.series import SeriesSet
 from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
 from kvwatch.daemon.model.windows import NodeView, ProcessWindow
 
@@ -62,7 +61,7 @@ def replay(data: dict[str, Any], phase: float = 0.0, **settings: Any) -> list[tu
         )
         age = t + data["decode_discovered_before_start_s"]
         subject = Subject("decode", {"pid": "1335"})
-        pw = ProcessWindow(subject, age, SeriesSet(), transfers=transfers, in_flight=in_flight)
+        pw = ProcessWindow(subject, age, transfers=transfers, in_flight=in_flight)
         (f,) = det.evaluate(NodeView(now=t, processes={"decode": pw}, tiers={}))
         if f.firing and not firing:
             spans.append((t, None))
