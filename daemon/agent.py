@@ -37,8 +37,8 @@ from kvwatch.daemon.host.psi import PressureReader
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.snapshot import Snapshot
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
-from kvwatch.daemon.publish import Parts, ProcessParts, build_snapshot, process_views
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
+from kvwatch.daemon.snapshots import Parts, ProcessParts, build_snapshot, process_views
 from kvwatch.daemon.sources import Source
 from kvwatch.daemon.tracker import ProcessTracker, Tracked, process_labels
 from kvwatch.probes.bpf import release_compiler_memory
@@ -347,7 +347,7 @@ class Agent:
     def _detect(self, now: float) -> list[Finding]:
         procs = {t.key: self._process_window(t, now) for t in self.tracker.tracked()}
         sample = self.memory_family.last_sample
-        view = NodeView(
+        view = NodeWindow(
             now=now,
             processes=procs,
             tiers=self.memory_family.tier_windows(now, procs, self._owners),

@@ -1,8 +1,8 @@
 """What the agent runs every source of observations through (docs/architecture.md, the tick):
 the kernel-memory family, NVML's GPU memory, each uprobe family, the engine taps. Each is built in
-``wiring.py``; the agent starts them, samples them into the processes' series every tick, reads
+``wiring.py``; the agent starts them, samples them into the processes' histories every tick, reads
 what they lost and why they are not ready, and closes them, all alike. What each contributes to
-the snapshot is its own (per process, per tier), read by ``publish``."""
+the snapshot is its own (per process, per tier), read by ``snapshots``."""
 
 from __future__ import annotations
 

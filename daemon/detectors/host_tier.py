@@ -17,7 +17,7 @@ from kvwatch.daemon.detectors.base import Baseline, Hysteresis, threshold
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
 from kvwatch.daemon.model.memory import MEMORY, PAGES
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow, TierWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow, TierWindow
 
 ALERT = "KVHostTierEvictionUnderPressure"
 SPECS = (
@@ -79,7 +79,7 @@ class HostTierEviction:
             )
         return st
 
-    def measure(self, tier: TierWindow, view: NodeView) -> dict[str, float]:
+    def measure(self, tier: TierWindow, view: NodeWindow) -> dict[str, float]:
         w = self.config.window_seconds
         pages, seconds = tier.pages.delta(PAGES, w)
         stall = max((_stall_rate(o, w) for o in tier.owners), default=0.0)
@@ -93,7 +93,7 @@ class HostTierEviction:
             "psi_some_avg10": max(psi_values, default=0.0),
         }
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
+    def evaluate(self, view: NodeWindow) -> list[Finding]:
         if not self.config.enabled:
             return []
         c = self.config

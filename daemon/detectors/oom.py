@@ -8,7 +8,7 @@ from typing import ClassVar
 from kvwatch.daemon.config import OOMConfig
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
-from kvwatch.daemon.model.windows import NodeView, OomEvent
+from kvwatch.daemon.model.windows import NodeWindow, OomEvent
 
 ALERT = "InferenceProcessOOMKilled"
 SPECS = (
@@ -48,7 +48,7 @@ class OOMKilled:
     def forget(self, subject_key: str) -> None:
         """OOM alerts outlive their process on purpose: they expire by time only."""
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
+    def evaluate(self, view: NodeWindow) -> list[Finding]:
         if not self.config.enabled:
             return []
         for ev in view.oom_events:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 from kvwatch.daemon.model.findings import Finding
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 
 class _Switchable(Protocol):
@@ -34,7 +34,7 @@ class ProcessDetector(Generic[C, S]):
     def forget(self, subject_key: str) -> None:
         self._state.pop(subject_key, None)
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
+    def evaluate(self, view: NodeWindow) -> list[Finding]:
         if not self.config.enabled:
             return []
         out = []

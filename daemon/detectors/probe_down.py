@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding, Subject
-from kvwatch.daemon.model.windows import NodeView
+from kvwatch.daemon.model.windows import NodeWindow
 from kvwatch.probes.records import HookState
 
 ALERT = "KVWatchProbeDown"
@@ -53,7 +53,7 @@ class ProbeDown:
     def forget(self, subject_key: str) -> None:
         self._silence.pop(subject_key, None)
 
-    def evaluate(self, view: NodeView) -> list[Finding]:
+    def evaluate(self, view: NodeWindow) -> list[Finding]:
         out: list[Finding] = []
         hits, now = view.probe_hits, view.now
         for st in view.probes:

@@ -33,7 +33,7 @@ from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.findings import Finding
-from kvwatch.daemon.model.windows import NodeView
+from kvwatch.daemon.model.windows import NodeWindow
 
 
 class Detector(Protocol):
@@ -43,7 +43,7 @@ class Detector(Protocol):
     alerts: ClassVar[tuple[str, ...]]  # every alert it raises (() on a ProcessDetector: its name alone)
     outlives_subject: ClassVar[bool]  # its alerts stay active when their subject is gone
 
-    def evaluate(self, view: NodeView) -> list[Finding]: ...
+    def evaluate(self, view: NodeWindow) -> list[Finding]: ...
 
     def forget(self, subject_key: str) -> None: ...
 

@@ -56,7 +56,7 @@ class Reclaimer:
 
     @property
     def key(self) -> str:
-        """Unique per row of a tier: the suffix of its series."""
+        """Unique per row of a tier: its key in the tier's reclaimer history."""
         return f"{self.reclaimer}:{self.scope}:{self.cgroup}"
 
 

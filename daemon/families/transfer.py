@@ -97,19 +97,19 @@ class TransferTracker(FamilyTracker):
 
     def observe(self, t: Tracked, now: float) -> None:
         """The process's NIXL transfers: cumulative counts into its history, and those in flight."""
-        counts = self._counts(t.pid)
+        now_ns = time.monotonic_ns()  # one instant for which peers are mature, in both
+        counts = self._counts(t.pid, now_ns)
         if counts is not None:
             t.transfers.add(now, {NIXL: counts})
-            t.in_flight = self._in_flight_of(t.pid)
+            t.in_flight = self._in_flight_of(t.pid, now_ns)
 
-    def _counts(self, pid: int) -> TransferCounts | None:
+    def _counts(self, pid: int, now_ns: int) -> TransferCounts | None:
         if pid not in self.attached:
             return None
         c = self._counters.get(pid)
         if c is None:
             return TransferCounts()
         nbytes = seconds = completed = 0.0
-        now_ns = time.monotonic_ns()
         for p in c.peers:
             if p.lib != "nixl" or now_ns - p.first_ns < self.peer_grace_ns:
                 continue  # a new peer: connection set-up and warm-up are not its bandwidth
@@ -122,9 +122,8 @@ class TransferTracker(FamilyTracker):
         moved = float(sum(x.bytes for x in c.xfers.values()))  # UCX puts beneath a NIXL post are the post's bytes
         return TransferCounts(posts=posts, completed=completed, bytes=nbytes, seconds=seconds, moved_bytes=moved)
 
-    def _in_flight_of(self, pid: int) -> TransfersInFlight:
+    def _in_flight_of(self, pid: int, now_ns: int) -> TransfersInFlight:
         """Transfers to known (mature) peers posted and not done yet."""
-        now_ns = time.monotonic_ns()
         mature = {
             p.peer
             for p in (self._counters[pid].peers if pid in self._counters else ())

@@ -174,7 +174,7 @@ class StreamStats:
 
 def media_of(streams: Iterable[StreamStats]) -> dict[str, MediumTotals]:
     """Per medium, the logical blocks' totals summed over a process's streams (its data-parallel
-    ranks): the one sum that the detectors' series and the exporters' views both read."""
+    ranks): the one sum that the detectors' KV counts and the exporters' views both read."""
     out: dict[str, MediumTotals] = {}
     for s in streams:
         for name, m in s.media.items():

@@ -73,7 +73,7 @@ class OomEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeView:
+class NodeWindow:
     now: float
     processes: Mapping[str, ProcessWindow]
     tiers: Mapping[str, TierWindow]

@@ -21,7 +21,7 @@ from kvwatch.daemon.detectors.tenant_thrash import TenantThrash
 from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 PREFIX = "kvwatch_kv_tenant_blocks_"
 COUNTS = ("stored", "removed", "regretted")  # TenantCounts' fields
@@ -52,7 +52,7 @@ def main() -> None:
                 continue
             tenants.add(t, {name: TenantCounts(**got) for name, got in now.items()})
             window = ProcessWindow(subject, t - seen, tenants=tenants)
-            for fd in detector.evaluate(NodeView(t, {"engine": window}, {})):
+            for fd in detector.evaluate(NodeWindow(t, {"engine": window}, {})):
                 tenant = fd.subject.labels["tenant"]
                 if fd.firing != firing.get(tenant, False):
                     firing[tenant] = fd.firing

@@ -25,7 +25,7 @@ from kvwatch.daemon.model.engine_scrape import ENGINE, NO_ENGINE, EngineState, S
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 THRASH_SECONDS = 10.0
 
@@ -117,7 +117,7 @@ def main() -> None:
                 state = EngineState(True, bool(smp.sleeping), True, smp.usage, scrape=smp)
         subject = Subject("engine", {"pid": "api_server"})
         window = ProcessWindow(subject, t - start + 5, engine=engine, engine_state=state, kv=kv, kv_events=kv_events)
-        for f in det.evaluate(NodeView(t, {"engine": window}, {})):
+        for f in det.evaluate(NodeWindow(t, {"engine": window}, {})):
             if f.firing != firing:
                 print(describe(f, t, marks))
                 firing = f.firing

@@ -21,7 +21,7 @@ from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import NO_STREAM, STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.series import CounterSeries
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 from tests.support.kv_scripts import REAL_BLOCK_BYTES
 from tests.tools.vllm_run_fixtures import uncompact
 
@@ -142,9 +142,9 @@ def test_resident_blocks_bound() -> None:
     assert r.diverged and r.kvwatch == 2600.0 and r.window == 2
 
 
-def _window(rows: tuple[AuditRow, ...]) -> NodeView:
+def _window(rows: tuple[AuditRow, ...]) -> NodeWindow:
     p = ProcessWindow(Subject("pid:7@1", {"pid": "7", "engine": "vllm"}), 100.0, audit=rows)
-    return NodeView(now=0.0, processes={"pid:7@1": p}, tiers={})
+    return NodeWindow(now=0.0, processes={"pid:7@1": p}, tiers={})
 
 
 def test_detector_fires_after_confirm_windows_and_clears_naming_both_numbers() -> None:
@@ -233,9 +233,9 @@ def test_a_firing_alert_clears_when_its_evidence_stops() -> None:
     _, bad = feed(41, engine_share=0.5)
     for t, rows in enumerate(bad):
         p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, audit=rows)
-        det.evaluate(NodeView(now=float(t), processes={"pid:7@1": p}, tiers={}))
+        det.evaluate(NodeWindow(now=float(t), processes={"pid:7@1": p}, tiers={}))
     p = ProcessWindow(Subject("pid:7@1", {"pid": "7"}), 100.0, audit=bad[-1])
-    view = lambda t: NodeView(now=t, processes={"pid:7@1": p}, tiers={})  # noqa: E731 - the same rows, later
+    view = lambda t: NodeWindow(now=t, processes={"pid:7@1": p}, tiers={})  # noqa: E731 - the same rows, later
     assert det.evaluate(view(45.0))[0].firing
     assert det.evaluate(view(50.0))[0].firing  # one window's time without a judgement: one cool step
     assert not det.evaluate(view(60.0))[0].firing  # two: cleared

@@ -10,7 +10,7 @@ from kvwatch.daemon.detectors.probe_shed import ProbeShed
 from kvwatch.daemon.families.cost import Sample, SelfCost, hot_apis
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.uprobes import UprobeState
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 CONFIG = SelfCostConfig(budget=0.01, window_seconds=2.0, windows=3, backoff_seconds=10.0, backoff_max_seconds=25.0)
 
@@ -123,9 +123,9 @@ def test_hot_apis() -> None:
 def test_shed_detector() -> None:
     shed = {"cuda": UprobeState(calls=9.0, shed=True, symbols=4), "transfer": UprobeState(symbols=2)}
     p = ProcessWindow(Subject("k", {"pid": "7"}), 10.0, uprobes=shed, uprobe_cost_ratio=0.02)
-    (f,) = ProbeShed().evaluate(NodeView(now=0.0, processes={"k": p}, tiers={}))
+    (f,) = ProbeShed().evaluate(NodeWindow(now=0.0, processes={"k": p}, tiers={}))
     assert f.firing and f.cause == "cuda" and "2.0%" in f.summary
     assert f.values == {"uprobe_cost_ratio": 0.02}
     p = ProcessWindow(Subject("k", {"pid": "7"}), 10.0, uprobes={**shed, "cuda": UprobeState(symbols=4)})
-    (f,) = ProbeShed().evaluate(NodeView(now=0.0, processes={"k": p}, tiers={}))
+    (f,) = ProbeShed().evaluate(NodeWindow(now=0.0, processes={"k": p}, tiers={}))
     assert not f.firing

@@ -13,7 +13,7 @@ from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.memory import MEMORY, PAGES, MemoryCounters, TierCounters
 from kvwatch.daemon.model.series import CounterSeries
-from kvwatch.daemon.model.windows import NodeView, OomEvent, ProcessWindow, TierWindow
+from kvwatch.daemon.model.windows import NodeWindow, OomEvent, ProcessWindow, TierWindow
 from kvwatch.probes.records import HookState, HookStatus
 
 MIB = 1024 * 1024
@@ -51,7 +51,7 @@ class TierSim:
         subject = Subject("pid:1@1", {"pid": "1", "engine": "vllm"})
         owner = ProcessWindow(subject, self.owner_age + self.t, memory=self.owner)
         tw = TierWindow(Subject("tier:0", {"tier": "t"}), 1000.0 + self.t, self.tier, (owner,))
-        view = NodeView(now=self.t, processes={}, tiers={"tier:0": tw}, psi_memory_some_avg10=self.psi)
+        view = NodeWindow(now=self.t, processes={}, tiers={"tier:0": tw}, psi_memory_some_avg10=self.psi)
         (f,) = self.detector.evaluate(view)
         assert f.alert == ALERT
         self.last = f
@@ -139,19 +139,19 @@ def test_oom_immediate_then_expires() -> None:
     det = OOMKilled(OOMConfig(active_seconds=10))
     subj = Subject("7@1", {"pid": "7", "engine": "vllm"})
     ev = OomEvent(subj, 7, "python3", "", 512 * MIB, 0, at=0.0)
-    (f,) = det.evaluate(NodeView(now=0.0, processes={}, tiers={}, oom_events=[ev]))
+    (f,) = det.evaluate(NodeWindow(now=0.0, processes={}, tiers={}, oom_events=[ev]))
     assert f.firing and f.severity == "critical" and f.cause == "victim"
-    (f,) = det.evaluate(NodeView(now=5.0, processes={}, tiers={}))
+    (f,) = det.evaluate(NodeWindow(now=5.0, processes={}, tiers={}))
     assert f.firing
-    (f,) = det.evaluate(NodeView(now=10.5, processes={}, tiers={}))
+    (f,) = det.evaluate(NodeWindow(now=10.5, processes={}, tiers={}))
     assert not f.firing
-    assert det.evaluate(NodeView(now=11.0, processes={}, tiers={})) == []
+    assert det.evaluate(NodeWindow(now=11.0, processes={}, tiers={})) == []
 
 
 def test_oom_sibling_can_be_excluded() -> None:
     det = OOMKilled(OOMConfig(include_cgroup_siblings=False))
     ev = OomEvent(Subject("oom:9", {}), 9, "helper", "7@1", 0, 0, at=0.0)
-    assert det.evaluate(NodeView(now=0.0, processes={}, tiers={}, oom_events=[ev])) == []
+    assert det.evaluate(NodeWindow(now=0.0, processes={}, tiers={}, oom_events=[ev])) == []
 
 
 def test_probe_down_failed_and_silent() -> None:
@@ -164,19 +164,19 @@ def test_probe_down_failed_and_silent() -> None:
     ]
     out = {
         f.subject.labels["probe"]: f
-        for f in det.evaluate(NodeView(0.0, {}, {}, probes=statuses, probe_hits={"page_free": 5}))
+        for f in det.evaluate(NodeWindow(0.0, {}, {}, probes=statuses, probe_hits={"page_free": 5}))
     }
     assert set(out) == {"page_free", "oom_victim"}
     assert out["oom_victim"].firing and out["oom_victim"].cause == "missing"
     assert not out["page_free"].firing
     out = {
         f.subject.labels["probe"]: f
-        for f in det.evaluate(NodeView(61.0, {}, {}, probes=statuses, probe_hits={"page_free": 5}))
+        for f in det.evaluate(NodeWindow(61.0, {}, {}, probes=statuses, probe_hits={"page_free": 5}))
     }
     assert out["page_free"].firing and out["page_free"].cause == "silent"
     out = {
         f.subject.labels["probe"]: f
-        for f in det.evaluate(NodeView(62.0, {}, {}, probes=statuses, probe_hits={"page_free": 6}))
+        for f in det.evaluate(NodeWindow(62.0, {}, {}, probes=statuses, probe_hits={"page_free": 6}))
     }
     assert not out["page_free"].firing
 

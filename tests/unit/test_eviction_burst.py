@@ -15,7 +15,7 @@ from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import NO_STREAM, STREAM, KVState, MediumCounts, StreamEvents
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 CFG = EvictionBurstConfig(
     warmup_seconds=10,
@@ -114,7 +114,7 @@ class Run:
                 kv_events=e.kv_events,
                 kv_state=e.kv_state,
             )
-            f = self.det.evaluate(NodeView(self.eng.t, {"7@1": p}, {}))
+            f = self.det.evaluate(NodeWindow(self.eng.t, {"7@1": p}, {}))
             self.book.apply(f, self.eng.t)
             out += f
         self.log += out
@@ -300,7 +300,7 @@ def test_os_side_copy_churn_without_engine_data() -> None:
             h2d += up
             copies.add(t, {CUDA: CopyCounts(h2d_bytes=h2d, d2h_bytes=d2h)})
             p = ProcessWindow(Subject("9@1", {"pid": "9"}), t, copies=copies)
-            fired.extend(f for f in det.evaluate(NodeView(t, {"9@1": p}, {})) if f.firing)
+            fired.extend(f for f in det.evaluate(NodeWindow(t, {"9@1": p}, {})) if f.firing)
 
     run(60, 2 * mib, 2 * mib)  # a steady trickle
     run(10, 500 * mib, 2 * mib)  # offload only (e.g. a checkpoint): no churn

@@ -13,7 +13,7 @@ from kvwatch.daemon.model.engine_scrape import ENGINE, EngineState, ScrapeCounts
 from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 CFG = PreemptionLivelockConfig(warmup_seconds=10, baseline_min_seconds=20, window_seconds=5, clear_windows=3)
 SUBJECT = Subject("7@1", {"pid": "7", "engine": "vllm"})
@@ -36,7 +36,7 @@ class Engine:
         sample = EngineSample(self.t, preemptions=self.preempted, generation_tokens=self.tokens)
         state = EngineState(tapped=True, fresh=True, scrape=sample)
         window = ProcessWindow(SUBJECT, age=self.t, engine=self.engine, engine_state=state)
-        (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
+        (f,) = detector.evaluate(NodeWindow(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f
 
 

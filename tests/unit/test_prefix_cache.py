@@ -18,7 +18,7 @@ from kvwatch.daemon.model.engines import EngineSample
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 CFG = PrefixCacheIneffectiveConfig(warmup_seconds=10, window_seconds=20, clear_windows=3)
 SUBJECT = Subject("7@1", {"pid": "7", "engine": "vllm"})
@@ -69,7 +69,7 @@ class Engine:
         window = ProcessWindow(
             SUBJECT, self.t, engine=self.engine, engine_state=state, kv=self.kv, kv_events=self.kv_events
         )
-        (f,) = detector.evaluate(NodeView(now=self.t, processes={SUBJECT.key: window}, tiers={}))
+        (f,) = detector.evaluate(NodeWindow(now=self.t, processes={SUBJECT.key: window}, tiers={}))
         return f
 
 

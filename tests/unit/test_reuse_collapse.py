@@ -9,7 +9,7 @@ from kvwatch.daemon.model.cuda import CUDA, AllocatorCounts, GpuUse
 from kvwatch.daemon.model.engine_scrape import NO_ENGINE, EngineState
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 MIB = 1024 * 1024
 
@@ -60,7 +60,7 @@ class Proc:
             engine_state=self.engine,
             gpu=GpuUse(device_total_bytes=140e9),
         )
-        out = {f.alert: f for f in self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))}
+        out = {f.alert: f for f in self.det.evaluate(NodeWindow(now=self.t, processes={"p": pw}, tiers={}))}
         return out
 
 

@@ -23,7 +23,7 @@ from kvwatch.daemon.model.engines import TenantCounts
 from kvwatch.daemon.model.findings import Finding, Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, MediumCounts, StreamEvents
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 from tests.support.kv_scripts import SCRIPT_SPEC
 
 CFG = TenantThrashConfig(warmup_seconds=10, baseline_min_seconds=10, window_seconds=5, floor_regretted_per_second=2)
@@ -79,7 +79,7 @@ class Engine:
         window = ProcessWindow(
             SUBJECT, self.t, tenants=self.tenants, kv=self.kv, kv_events=self.kv_events, kv_state=state
         )
-        view = NodeView(self.t, {SUBJECT.key: window}, {})
+        view = NodeWindow(self.t, {SUBJECT.key: window}, {})
         return {f.subject.labels["tenant"]: f for f in self.detector.evaluate(view) if f.firing}
 
 

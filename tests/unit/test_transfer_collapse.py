@@ -12,7 +12,7 @@ from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 MB = 1e6
 
@@ -39,7 +39,7 @@ class Sim:
         pw = ProcessWindow(
             Subject("p", {"pid": "7"}), 1000 + self.t, transfers=self.transfers, in_flight=self.in_flight
         )
-        (f,) = self.det.evaluate(NodeView(now=self.t, processes={"p": pw}, tiers={}))
+        (f,) = self.det.evaluate(NodeWindow(now=self.t, processes={"p": pw}, tiers={}))
         return f
 
 

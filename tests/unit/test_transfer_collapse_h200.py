@@ -22,7 +22,7 @@ from kvwatch.daemon.detectors.transfer_collapse import TransferCollapse
 from kvwatch.daemon.model.findings import Subject
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.transfers import NIXL, TransferCounts, TransfersInFlight
-from kvwatch.daemon.model.windows import NodeView, ProcessWindow
+from kvwatch.daemon.model.windows import NodeWindow, ProcessWindow
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "transfers" / "vllm-0.26.0-pd-h200.json.gz"
 RUN_SETTINGS = {"warmup_seconds": 30}  # the run's --set; every other setting at its default
@@ -62,7 +62,7 @@ def replay(data: dict[str, Any], phase: float = 0.0, **settings: Any) -> list[tu
         age = t + data["decode_discovered_before_start_s"]
         subject = Subject("decode", {"pid": "1335"})
         pw = ProcessWindow(subject, age, transfers=transfers, in_flight=in_flight)
-        (f,) = det.evaluate(NodeView(now=t, processes={"decode": pw}, tiers={}))
+        (f,) = det.evaluate(NodeWindow(now=t, processes={"decode": pw}, tiers={}))
         if f.firing and not firing:
             spans.append((t, None))
         elif firing and not f.firing:

@@ -3,7 +3,7 @@ against bytes vLLM's own publisher produced: the frames, the decoder, and the de
 
 ``tests/fixtures/kv_events/vllm-*.json`` were captured off the wire from the real
 ``ZmqEventPublisher`` of vLLM 0.9.2, 0.11.0, 0.26.0 and 0.33.0 (``tests/tools/vllm_capture.py``).
-Counting a stream's batches: ``test_stream_counts.py``; the subscriber on its sockets:
+Counting a stream's batches: ``test_blocks.py``, ``test_stream_counts_hostile.py``; the subscriber on its sockets:
 ``tests/integration/test_kv_events.py``.
 """
 
