@@ -8,10 +8,11 @@ records. Processes that vanish mid-read are skipped and counted, never raised.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvwatch.daemon.config import DiscoveryConfig, EngineEndpoint, EngineRule
+from kvwatch.daemon.engines.kinds import KINDS
 from kvwatch.daemon.host.cgroups import CgroupIdentity, parse_cgroup
 from kvwatch.daemon.host.procfs import (
     ProcAccessDenied,
@@ -22,58 +23,25 @@ from kvwatch.daemon.host.procfs import (
     ProcFS,
 )
 
-# Process titles, command lines, and the names worth recognising (docs/architecture.md, "Engines").
-# Command-line rules are anchored at the program (argv[0], or python -m MODULE):
-# a shell whose arguments merely mention "vllm serve" is not an engine.
-_PY_M = r"^(\S*/)?python[0-9.]*(\s+-\S+)*\s+-m\s+"
-# A console script (pip's ``vllm``, ``sglang``) runs through its shebang: the kernel makes
-# the command line "/venv/bin/python3 /venv/bin/vllm serve ...", the interpreter first.
-_SCRIPT = r"^((\S*/)?python[0-9.]*(\s+-\S+)*\s+)?(\S*/)?"
-DEFAULT_RULES: tuple[EngineRule, ...] = (
-    EngineRule(engine="vllm", comm=r"^VLLM::"),
-    EngineRule(engine="vllm", cmdline=r"^VLLM::"),
-    EngineRule(engine="vllm", cmdline=_SCRIPT + r"vllm\s+serve\b|" + _PY_M + r"vllm(\.entrypoints\S*)?(\s|$)"),
-    EngineRule(engine="sglang", comm=r"^sglang::"),
-    EngineRule(engine="sglang", cmdline=r"^sglang::"),
-    EngineRule(engine="sglang", cmdline=_SCRIPT + r"sglang\s+serve\b|" + _PY_M + r"sglang\.launch_server\b"),
-    EngineRule(engine="tgi", comm=r"^text-generation"),
-    EngineRule(engine="tgi", cmdline=_SCRIPT + r"text-generation-(router|server|launcher)\b"),
-    EngineRule(engine="triton", comm=r"^tritonserver$"),
-    EngineRule(engine="lmdeploy", cmdline=_SCRIPT + r"lmdeploy\s+serve\b"),
-    EngineRule(engine="lmcache", cmdline=_SCRIPT + r"lmcache_server\b|" + _PY_M + r"lmcache[\w.]*\.server\b"),
-    EngineRule(engine="dynamo", cmdline=r"^(\S*/)?dynamo-run\b|" + _PY_M + r"dynamo\."),
+# Which processes are which engine's, which component of it, its disaggregation role and the
+# environment kept: each engine's own module says (daemon/engines/kinds/), in KINDS' order.
+DEFAULT_RULES: tuple[EngineRule, ...] = tuple(r for k in KINDS for r in k.rules)
+_COMPONENTS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), name)
+    for pattern, name in (*(c for k in KINDS for c in k.components), *(c for k in KINDS for c in k.late_components))
+)
+_ROLES: tuple[tuple[re.Pattern[str], Mapping[str, str]], ...] = tuple(
+    (re.compile(pattern), names) for k in KINDS for pattern, names in k.roles
 )
 
-# Component (which process of an engine) from titles and command lines.
-_COMPONENTS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"VLLM::APIServer"), "api_server"),
-    (re.compile(r"VLLM::EngineCore"), "engine_core"),
-    (re.compile(r"VLLM::Worker"), "worker"),
-    (re.compile(r"VLLM::DPCoordinator"), "dp_coordinator"),
-    (re.compile(r"sglang::scheduler"), "scheduler"),
-    (re.compile(r"sglang::detokenizer"), "detokenizer"),
-    (re.compile(r"sglang::(tokenizer|http)"), "tokenizer"),
-    (re.compile(r"text-generation-router"), "router"),
-    (re.compile(r"text-generation-server"), "shard"),
-    (re.compile(r"text-generation-launcher"), "launcher"),
-    (re.compile(r"\bvllm\s+serve\b|vllm\.entrypoints"), "api_server"),
-    (re.compile(r"sglang\.launch_server|sglang\s+serve"), "server"),
-)
-
-_KV_ROLE = re.compile(r"""["']?kv_role["']?\s*[:=]\s*["']?(kv_producer|kv_consumer|kv_both)""")
-_KV_ROLE_MAP = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
-_SGLANG_DISAGG = re.compile(r"--disaggregation-mode[=\s]+(prefill|decode)\b")
-
-# Environment keys read from a matched process (and nothing else is kept).
+# Environment keys read from a matched process (and nothing else is kept): the engines' own, and
+# the CUDA caching allocator's settings.
 ENV_KEYS = (
     "HOSTNAME",
-    "LMCACHE_LOCAL_DISK",
-    "LMCACHE_CONFIG_FILE",
-    "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+    *(key for k in KINDS for key in k.environ),
     "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_ALLOC_CONF",
     "PYTORCH_NO_CUDA_MEMORY_CACHING",
-    "VLLM_PROCESS_NAME_PREFIX",
 )
 
 
@@ -137,12 +105,10 @@ class ScanStats:
 
 
 def disagg_role(cmdline: str) -> str:
-    m = _KV_ROLE.search(cmdline)
-    if m:
-        return _KV_ROLE_MAP[m.group(1)]
-    m = _SGLANG_DISAGG.search(cmdline)
-    if m:
-        return m.group(1)
+    for pattern, names in _ROLES:
+        m = pattern.search(cmdline)
+        if m:
+            return names.get(m.group(1), "")
     return ""
 
 

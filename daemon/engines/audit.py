@@ -35,12 +35,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvwatch.daemon.config import MetricDivergenceConfig
+from kvwatch.daemon.engines.kinds import vllm
 from kvwatch.daemon.model.cuda import TREE, CopyCounts
 from kvwatch.daemon.model.engine_scrape import EngineState
 from kvwatch.daemon.model.engines import AuditRow, EngineSample
 from kvwatch.daemon.model.history import History
 from kvwatch.daemon.model.kv_counts import STREAM, KVState, MediumCounts, StreamEvents
 
+# the engine's side, as the rows name it: vLLM's metrics (engines/kinds/vllm.py)
+STORE_BYTES, LOAD_BYTES = vllm.OFFLOAD_STORE.removesuffix("_total"), vllm.OFFLOAD_LOAD.removesuffix("_total")
+POOL = f"{vllm.CACHE_CONFIG} num_gpu_blocks"
 EQUAL, AT_MOST = "equal", "kvwatch_at_most"  # kvwatch_at_most: only kvwatch exceeding the engine diverges
 COPY_PROBES = "copy_probes"  # evidence: the engine's processes have their copy probes attached
 BLOCK_BYTES = "block_bytes"  # evidence: bytes of one block, where configured or learnt from a divisor
@@ -101,7 +105,7 @@ PAIRS = (
         "bytes",
         EQUAL,
         lambda x: x.offload_store_bytes,
-        "vllm:kv_offload_store_bytes",
+        STORE_BYTES,
         _copies(lambda c: c.d2h_bytes),
         "device-to-host copy probes",
         requires=(COPY_PROBES,),
@@ -111,7 +115,7 @@ PAIRS = (
         "bytes",
         AT_MOST,
         lambda x: x.offload_load_bytes,
-        "vllm:kv_offload_load_bytes",
+        LOAD_BYTES,
         _copies(lambda c: c.h2d_bytes),
         "host-to-device copy probes",
         requires=(COPY_PROBES,),
@@ -121,7 +125,7 @@ PAIRS = (
         "bytes",
         EQUAL,
         lambda x: x.offload_store_bytes,
-        "vllm:kv_offload_store_bytes",
+        STORE_BYTES,
         _cpu_stored,
         "KV event stream CPU blocks stored (every KV cache group) x block size",
         requires=(BLOCK_BYTES,),
@@ -133,7 +137,7 @@ PAIRS = (
         "blocks",
         AT_MOST,
         lambda x: x.pool_blocks,
-        "vllm:cache_config_info num_gpu_blocks",
+        POOL,
         _resident_gpu,
         "KV event stream GPU blocks resident (every KV cache group)",
         stream=True,

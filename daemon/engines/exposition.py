@@ -2,9 +2,9 @@
 with kvwatch's own evidence.
 
 Parsed with prometheus-client's parser (the engines export with prometheus-client too). Names
-per engine (read off vLLM 0.9.2 / 0.11.0 / 0.33.0, SGLang 0.5.23, LMCache 0.5.6 sources); where
-a release exports an old and a new name for the same thing, the first one present in each list
-below is used, never both. Its latency histograms (``engines/latency.py``) and KV tier counters
+per engine are in its module (``kinds/``, read off the engines' sources); where a release
+exports an old and a new name for the same thing, the first one present in each list below is
+used, never both. Its latency histograms (``engines/latency.py``) and KV tier counters
 (``engines/tiers.py``) are read from the same samples.
 
 The page is the engine's, and the engine may be hostile. Every sample kvwatch reads must be a
@@ -30,32 +30,35 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_fd_to_metric_families
 
 from kvwatch.daemon.engines import latency, tiers
+from kvwatch.daemon.engines.kind import SampleNames
+from kvwatch.daemon.engines.kinds import KINDS, vllm
 from kvwatch.daemon.model.engines import EngineSample, TierReading
 
-# field -> sample names in order of preference (counters as exposed, with _total)
-USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")  # 0..1
-PREFIX_QUERIES = (
-    "vllm:prefix_cache_queries_total",
-    "vllm:gpu_prefix_cache_queries_total",
-    "sglang:prompt_tokens_total",
-)
-PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "sglang:cached_tokens_total")
-PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
-GENERATION_TOKENS = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
-RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-EVICTED_TOKENS = ("sglang:evicted_tokens_total",)
-IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
-SLEEP_STATE = "vllm:engine_sleep_state"
-CACHE_CONFIG = "vllm:cache_config_info"  # label num_gpu_blocks: the GPU pool, per engine
-EXTERNAL_QUERIES = ("vllm:external_prefix_cache_queries_total",)  # tokens asked of a KV connector (CPU tier)
-EXTERNAL_HITS = ("vllm:external_prefix_cache_hits_total",)
-OFFLOAD_STORE_BYTES = ("vllm:kv_offload_store_bytes_total",)  # OffloadingConnector: GPU -> CPU
-OFFLOAD_LOAD_BYTES = ("vllm:kv_offload_load_bytes_total",)  # CPU -> GPU
-OFFLOAD_BY_TYPE = "vllm:kv_offload_total_bytes_total"  # the same, by transfer_type (older name, kept in 0.26)
-LMCACHE_EVICTED_KEYS = ("lmcache:local_cpu_evict_keys_count_total",)
-LMCACHE_HIT_TOKENS = ("lmcache:num_hit_tokens_total",)
-LMCACHE_REQUESTED_TOKENS = ("lmcache:num_requested_tokens_total",)
+
+def _names(get: Callable[[SampleNames], tuple[str, ...]]) -> tuple[str, ...]:
+    """Every engine's sample names of one field, in KINDS' order (each in its own preference)."""
+    return tuple(n for k in KINDS for n in get(k.samples))
+
+
+# field -> sample names in order of preference; declared by each engine's module (kinds/)
+USAGE = _names(lambda x: x.usage)  # 0..1
+PREFIX_QUERIES = _names(lambda x: x.prefix_queries)
+PREFIX_HITS = _names(lambda x: x.prefix_hits)
+PREEMPTIONS = _names(lambda x: x.preemptions)
+GENERATION_TOKENS = _names(lambda x: x.generation_tokens)
+RUNNING = _names(lambda x: x.running)
+WAITING = _names(lambda x: x.waiting)
+EVICTED_TOKENS = _names(lambda x: x.evicted_tokens)
+EXTERNAL_QUERIES = _names(lambda x: x.external_queries)
+EXTERNAL_HITS = _names(lambda x: x.external_hits)
+OFFLOAD_STORE_BYTES = _names(lambda x: x.offload_store_bytes)
+OFFLOAD_LOAD_BYTES = _names(lambda x: x.offload_load_bytes)
+LMCACHE_EVICTED_KEYS = _names(lambda x: x.lmcache_evicted_keys)
+LMCACHE_HIT_TOKENS = _names(lambda x: x.lmcache_hit_tokens)
+LMCACHE_REQUESTED_TOKENS = _names(lambda x: x.lmcache_requested_tokens)
+# vLLM's samples read beyond plain sums and maxima (``_Page``)
+IDLE_BEFORE_EVICT, SLEEP_STATE, CACHE_CONFIG = vllm.IDLE_BEFORE_EVICT, vllm.SLEEP_STATE, vllm.CACHE_CONFIG
+OFFLOAD_BY_TYPE = vllm.OFFLOAD_BY_TYPE
 
 PLAIN = frozenset(
     (
@@ -178,7 +181,7 @@ class _Page:
             elif blocks is not None:
                 self.reject("bad_label")
         elif name == OFFLOAD_BY_TYPE:
-            name = {"GPU_to_CPU": OFFLOAD_STORE_BYTES[0], "CPU_to_GPU": OFFLOAD_LOAD_BYTES[0]}.get(
+            name = {"GPU_to_CPU": vllm.OFFLOAD_STORE, "CPU_to_GPU": vllm.OFFLOAD_LOAD}.get(
                 labels.get("transfer_type", ""), name
             )
             self.by_type[name] = self.by_type.get(name, 0.0) + value

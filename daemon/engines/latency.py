@@ -4,38 +4,25 @@ data-parallel engine, LMCache worker), so a mean over any span is Δsum / Δcoun
 
 ``kvwatch record`` draws them beside its alerts (the ``engine latency`` lane): when reclaim
 evicts a KV tier, the engine's time to first token and LMCache's retrieve time are where
-the loss shows. Names as vLLM (its real 0.26.0 page: tests/fixtures/engine_metrics/vllm-0.26.0.txt),
-SGLang (``sglang/srt/observability/metrics_collector.py``), LMCache in process
+the loss shows. Each engine's histograms are in its module (``kinds/``): names as vLLM (its real
+0.26.0 page: tests/fixtures/engine_metrics/vllm-0.26.0.txt), SGLang
+(``sglang/srt/observability/metrics_collector.py``), LMCache in process
 (``lmcache/observability.py``, exported on vLLM's /metrics) and vLLM's NixlConnector
 (``vllm/distributed/kv_transfer/kv_connector/v1/nixl``: observed on the decode side, one per
-KV transfer, beside kvwatch's own transfer slices) declare them; all in seconds.
+KV transfer, beside kvwatch's own transfer slices) declare them; all in seconds. Readings come
+in LATENCY_NAMES' order.
 What an engine does not export is absent, never zero.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-from kvwatch.daemon.model.engines import LatencyReading
+from kvwatch.daemon.engines.kind import LatencyRule
+from kvwatch.daemon.engines.kinds import KINDS
+from kvwatch.daemon.model.engines import LATENCY_NAMES, LatencyReading
 
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    name: str  # the reading's name, one of LATENCY_NAMES
-    histogram: str  # the engine's histogram; its samples are <histogram>_sum and <histogram>_count
-
-
-RULES = (
-    Rule("ttft", "vllm:time_to_first_token_seconds"),
-    Rule("e2e", "vllm:e2e_request_latency_seconds"),
-    Rule("ttft", "sglang:time_to_first_token_seconds"),
-    Rule("e2e", "sglang:e2e_request_latency_seconds"),
-    Rule("lmcache_retrieve", "lmcache:time_to_retrieve"),
-    Rule("lmcache_store", "lmcache:time_to_store"),
-    Rule("nixl_xfer", "vllm:nixl_xfer_time_seconds"),
-    Rule("nixl_post", "vllm:nixl_post_time_seconds"),
-)
+RULES: tuple[LatencyRule, ...] = tuple(r for k in KINDS for r in k.latencies)  # each engine's, in its module
 _SUM = {f"{r.histogram}_sum": r for r in RULES}
 _COUNT = {f"{r.histogram}_count": r for r in RULES}
 
@@ -49,8 +36,8 @@ def wanted(name: str) -> bool:
 def read_latencies(samples: Iterable[Sample]) -> tuple[LatencyReading, ...]:
     """Per reading, the sums and counts of every histogram it has on the page; a histogram
     counts only with both its sum and its count (two engines' histograms of one name add up)."""
-    sums: dict[Rule, float] = {}
-    counts: dict[Rule, float] = {}
+    sums: dict[LatencyRule, float] = {}
+    counts: dict[LatencyRule, float] = {}
     for name, _, value in samples:
         if name in _SUM:
             rule = _SUM[name]
@@ -63,4 +50,4 @@ def read_latencies(samples: Iterable[Sample]) -> tuple[LatencyReading, ...]:
         if rule in sums and rule in counts:
             s, c = out.get(rule.name, (0.0, 0.0))
             out[rule.name] = (s + sums[rule], c + counts[rule])
-    return tuple(LatencyReading(n, s, c) for n, (s, c) in out.items())
+    return tuple(LatencyReading(n, *out[n]) for n in LATENCY_NAMES if n in out)

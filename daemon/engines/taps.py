@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import structlog
 
 from kvwatch.daemon.config import EngineEndpoint, EnginesConfig
-from kvwatch.daemon.engines.cmdline import offset_port, plan_from_cmdline
+from kvwatch.daemon.engines.cmdline import plan_from_cmdline
 from kvwatch.daemon.engines.kv_events import KVEventHub
 from kvwatch.daemon.engines.metrics import EngineScraper
+from kvwatch.daemon.engines.planning import offset_port
 from kvwatch.daemon.engines.reach import Reach
 from kvwatch.daemon.engines.tenant_view import TenantFolds
 from kvwatch.daemon.engines.tenants import TenantNamer, load_key

@@ -1,7 +1,7 @@
 """KV-tier directories and the inode set the kernel filters page-cache events by.
 
-Tiers come from config and from engine environments (LMCache local disk,
-SGLang HiCache file backend), resolved through ``/proc/PID/root`` so a
+Tiers come from config and from engine environments (each engine's module says where its
+disk tier is: LMCache local disk, SGLang HiCache file backend), resolved through ``/proc/PID/root`` so a
 container's directory is found on the host. Files are tracked by inotify plus a
 periodic rescan that also repairs missed events. A deleted file's inode leaves
 the set only after a grace period: its page-cache pages are removed *after* the
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import stat
 import threading
 from collections.abc import Callable, Iterable
@@ -39,15 +38,12 @@ import structlog
 
 from kvwatch.daemon.config import KVTiersConfig
 from kvwatch.daemon.discovery import DiscoveredProcess
+from kvwatch.daemon.engines.kinds import KINDS
 from kvwatch.daemon.host.procfs import ProcError, ProcessIdentity, ProcFS
 
 log = structlog.get_logger("kvwatch.kvtiers")
 
 DELETE_GRACE_SECONDS = 3.0
-HICACHE_DEFAULT_DIR = "/tmp/hicache"
-_HICACHE_FILE = re.compile(r"--hicache-storage-backend[=\s]+file\b")
-_LMCACHE_DISK_KEY = re.compile(r"^[ \t]*local_disk[ \t]*:[ \t]*([^#\n]*)", re.MULTILINE)
-_LMCACHE_OFF = ("", "none", "null", "false", "~")
 
 
 class InodeSink(Protocol):
@@ -91,33 +87,6 @@ class TierStats:
     inotify_overflows: int = 0
 
 
-def lmcache_dirs(env: dict[str, str], read_file: Callable[[str], str | None]) -> list[str]:
-    """LMCache local-disk directories from ``LMCACHE_LOCAL_DISK`` or its YAML config file.
-
-    LMCache takes one path or several, comma-separated, each with or without ``file://``;
-    they are normalised (``/x/`` and ``/x`` name one tier)."""
-    value = env.get("LMCACHE_LOCAL_DISK", "")
-    if not value and env.get("LMCACHE_CONFIG_FILE"):
-        text = read_file(env["LMCACHE_CONFIG_FILE"])
-        if text:
-            m = _LMCACHE_DISK_KEY.search(text)
-            value = m.group(1) if m else ""
-    out: list[str] = []
-    for part in value.strip().strip("\"'").split(","):
-        path = part.strip().strip("\"'").removeprefix("file://")
-        if path.lower() not in _LMCACHE_OFF and os.path.normpath(path) not in out:
-            out.append(os.path.normpath(path))
-    return out
-
-
-def hicache_dirs(env: dict[str, str], cmdline: str) -> list[str]:
-    if env.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"):
-        return [env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]]
-    if _HICACHE_FILE.search(cmdline):
-        return [HICACHE_DEFAULT_DIR]
-    return []
-
-
 def specs_from_process(p: DiscoveredProcess, procfs: ProcFS) -> list[TierSpec]:
     root = procfs.root_path(p.pid)
 
@@ -130,8 +99,13 @@ def specs_from_process(p: DiscoveredProcess, procfs: ProcFS) -> list[TierSpec]:
         except ProcError:
             return None
 
-    specs = [TierSpec(inside(d), f"lmcache:{d}", "lmcache", p.identity) for d in lmcache_dirs(p.environ, read)]
-    specs += [TierSpec(inside(d), f"hicache:{d}", "hicache", p.identity) for d in hicache_dirs(p.environ, p.cmdline)]
+    specs = []
+    for kind in KINDS:  # an engine's disk tier may live in another's process (LMCache in vLLM)
+        if kind.kv_tier is not None:
+            source, dirs = kind.kv_tier
+            specs += [
+                TierSpec(inside(d), f"{source}:{d}", source, p.identity) for d in dirs(p.environ, p.cmdline, read)
+            ]
     return specs
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from kvwatch.daemon.config import DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engines.cmdline import MAX_DATA_PARALLEL_RANKS, plan_from_cmdline
+from kvwatch.daemon.engines.cmdline import plan_from_cmdline
+from kvwatch.daemon.engines.planning import MAX_DATA_PARALLEL_RANKS
 from kvwatch.daemon.engines.reach import Reach, local_addresses
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.model.engines import EnginePlan, EngineView

@@ -11,7 +11,9 @@ import pytest
 from kvwatch.daemon.config import Config, DiscoveryConfig, EnginesConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.discovery import Discovery
-from kvwatch.daemon.engines.cmdline import data_parallel_ranks, flag_values, plan_from_cmdline
+from kvwatch.daemon.engines.cmdline import plan_from_cmdline
+from kvwatch.daemon.engines.kinds.vllm import data_parallel_ranks
+from kvwatch.daemon.engines.planning import flag_values
 from kvwatch.daemon.engines.reach import Reach, local_ipv4
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.engines.tenant_view import TenantFolds

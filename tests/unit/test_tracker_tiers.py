@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from kvwatch.daemon.config import DiscoveryConfig, KVTierDir, KVTiersConfig
 from kvwatch.daemon.config.base import parse
 from kvwatch.daemon.discovery import Discovery, Labels
-from kvwatch.daemon.families.kv_files import KVTierRegistry, hicache_dirs, lmcache_dirs, specs_from_process
+from kvwatch.daemon.engines.kinds.lmcache import lmcache_dirs
+from kvwatch.daemon.engines.kinds.sglang import hicache_dirs
+from kvwatch.daemon.families.kv_files import KVTierRegistry, specs_from_process
 from kvwatch.daemon.families.oom import oom_event
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.tracker import EXIT_GRACE_SECONDS, RECENT_SECONDS, ProcessTracker
@@ -231,18 +233,20 @@ def test_tier_map_full_is_counted(tmp_path: Path) -> None:
 
 
 def test_engine_environment_dirs(tmp_path: Path) -> None:
-    assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "file:///mnt/kv/"}, lambda p: None) == ["/mnt/kv"]
+    assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "file:///mnt/kv/"}, "", lambda p: None) == ["/mnt/kv"]
     both = {"LMCACHE_LOCAL_DISK": "file:///mnt/a/, /mnt/b,file:///mnt/a"}
-    assert lmcache_dirs(both, lambda p: None) == ["/mnt/a", "/mnt/b"]
-    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/l.yaml"}, lambda p: "local_disk: null\n") == []
+    assert lmcache_dirs(both, "", lambda p: None) == ["/mnt/a", "/mnt/b"]
+    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/l.yaml"}, "", lambda p: "local_disk: null\n") == []
     two = "local_disk: 'file:///nvme0/kv/,file:///nvme1/kv/'   # two disks\nmax_local_disk_size: 5\n"
-    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/l.yaml"}, lambda p: two) == ["/nvme0/kv", "/nvme1/kv"]
-    assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "None"}, lambda p: None) == []
+    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/l.yaml"}, "", lambda p: two) == ["/nvme0/kv", "/nvme1/kv"]
+    assert lmcache_dirs({"LMCACHE_LOCAL_DISK": "None"}, "", lambda p: None) == []
     yaml = 'chunk_size: 256\nlocal_disk: "file:///data/lmcache"  # disk tier\nmax_local_disk_size: 20\n'
-    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/etc/l.yaml"}, lambda p: yaml) == ["/data/lmcache"]
-    assert hicache_dirs({}, "python -m sglang.launch_server --hicache-storage-backend file") == ["/tmp/hicache"]
-    assert hicache_dirs({"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/nvme/h"}, "") == ["/nvme/h"]
-    assert hicache_dirs({}, "--hicache-storage-backend mooncake") == []
+    assert lmcache_dirs({"LMCACHE_CONFIG_FILE": "/etc/l.yaml"}, "", lambda p: yaml) == ["/data/lmcache"]
+    assert hicache_dirs({}, "python -m sglang.launch_server --hicache-storage-backend file", lambda p: None) == [
+        "/tmp/hicache"
+    ]
+    assert hicache_dirs({"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/nvme/h"}, "", lambda p: None) == ["/nvme/h"]
+    assert hicache_dirs({}, "--hicache-storage-backend mooncake", lambda p: None) == []
 
     root = make_proc(
         tmp_path / "proc",
