@@ -26,8 +26,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_http_connections_dropped",
+            COUNTER,
+            "connections to kvwatch's HTTP server closed or lost before their answer, by reason",
+            ("reason",),
+        ),
+        MetricSpec(
+            "kvwatch_http_connections_open", GAUGE, "connections kvwatch's HTTP server holds now (one thread each)", ()
+        ),
+    )
+)
 
 log = structlog.get_logger("kvwatch.http")
 
@@ -186,17 +202,11 @@ class ConnectionStats(Collector):
 
     def collect(self) -> Iterator[Metric]:
         dropped, open_now = self.table.counts()
-        fam = CounterMetricFamily(
-            "kvwatch_http_connections_dropped",
-            "connections to kvwatch's HTTP server closed or lost before their answer, by reason",
-            labels=["reason"],
-        )
+        fam = METRICS.counter("kvwatch_http_connections_dropped")
         for reason, n in dropped.items():
             fam.add_metric([reason], n)
         yield fam
-        yield GaugeMetricFamily(
-            "kvwatch_http_connections_open", "connections kvwatch's HTTP server holds now (one thread each)", open_now
-        )
+        yield METRICS.gauge("kvwatch_http_connections_open", value=open_now)
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

@@ -6,30 +6,44 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_engine_metric_audit_value",
+            GAUGE,
+            (
+                "KV metric-truth audit, last judged window: the engine's counter (source engine) and "
+                "kvwatch's own evidence of the same quantity (source kvwatch), in unit; "
+                "resident_blocks is a bound (kvwatch <= engine)"
+            ),
+            (*PROCESS_LABELS, "pair", "source", "unit"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_metric_divergence_ratio",
+            GAUGE,
+            "(engine - kvwatch) / the larger of the two, last judged audit window: below 0 the engine reports less",
+            (*PROCESS_LABELS, "pair"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_metric_audit_windows",
+            COUNTER,
+            "audit windows judged per pair, by result: agree, or diverge (apart by more than the tolerance)",
+            (*PROCESS_LABELS, "pair", "result"),
+        ),
+    )
+)
 
 
 def audit_families(s: Snapshot) -> Iterator[Metric]:
-    labels = [*PROCESS_LABELS, "pair"]
-    value = GaugeMetricFamily(
-        "kvwatch_engine_metric_audit_value",
-        "KV metric-truth audit, last judged window: the engine's counter (source engine) and kvwatch's "
-        "own evidence of the same quantity (source kvwatch), in unit; resident_blocks is a bound (kvwatch <= engine)",
-        labels=[*labels, "source", "unit"],
-    )
-    ratio = GaugeMetricFamily(
-        "kvwatch_engine_metric_divergence_ratio",
-        "(engine - kvwatch) / the larger of the two, last judged audit window: below 0 the engine reports less",
-        labels=labels,
-    )
-    windows = CounterMetricFamily(
-        "kvwatch_engine_metric_audit_windows",
-        "audit windows judged per pair, by result: agree, or diverge (apart by more than the tolerance)",
-        labels=[*labels, "result"],
-    )
+    value = METRICS.gauge("kvwatch_engine_metric_audit_value")
+    ratio = METRICS.gauge("kvwatch_engine_metric_divergence_ratio")
+    windows = METRICS.counter("kvwatch_engine_metric_audit_windows")
     for p in s.processes:
         v = label_values(p.labels, PROCESS_LABELS)
         for row in p.kv_audit:

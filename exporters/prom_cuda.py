@@ -5,11 +5,63 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import CudaView, Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
 from kvwatch.probes.records import ApiCounters
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_cuda_alloc_calls",
+            COUNTER,
+            "CUDA allocation calls (result ok / error)",
+            (*PROCESS_LABELS, "api", "result"),
+        ),
+        MetricSpec("kvwatch_cuda_alloc_bytes", COUNTER, "bytes successfully allocated", (*PROCESS_LABELS, "api")),
+        MetricSpec("kvwatch_cuda_free_calls", COUNTER, "CUDA free calls", (*PROCESS_LABELS, "api", "result")),
+        MetricSpec(
+            "kvwatch_cuda_freed_bytes", COUNTER, "bytes freed (allocations kvwatch saw)", (*PROCESS_LABELS, "api")
+        ),
+        MetricSpec(
+            "kvwatch_cuda_free_unknown",
+            COUNTER,
+            "successful frees of allocations made before kvwatch attached (size unknown)",
+            (*PROCESS_LABELS, "api"),
+        ),
+        MetricSpec("kvwatch_cuda_vmm_map_calls", COUNTER, "cuMemMap / cuMemUnmap calls", (*PROCESS_LABELS, "api")),
+        MetricSpec(
+            "kvwatch_cuda_vmm_mapped_bytes", COUNTER, "bytes mapped / unmapped by the VMM API", (*PROCESS_LABELS, "api")
+        ),
+        MetricSpec(
+            "kvwatch_cuda_outstanding_bytes",
+            GAUGE,
+            "allocated minus freed since kvwatch attached (kind: device, host, vmm)",
+            (*PROCESS_LABELS, "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_cuda_alloc_failures",
+            COUNTER,
+            "failed allocation calls by CUDA error code",
+            (*PROCESS_LABELS, "api", "code"),
+        ),
+        MetricSpec("kvwatch_cuda_probes_attached", GAUGE, "CUDA API symbols probed in the process", PROCESS_LABELS),
+        MetricSpec(
+            "kvwatch_cuda_copy_calls",
+            COUNTER,
+            "host/device copy calls by direction (h2d, d2h, d2d, default) and result",
+            (*PROCESS_LABELS, "api", "direction", "result"),
+        ),
+        MetricSpec(
+            "kvwatch_cuda_copy_bytes",
+            COUNTER,
+            "bytes copied between host and device (KV offload d2h, reload h2d)",
+            (*PROCESS_LABELS, "api", "direction"),
+        ),
+    )
+)
 
 
 def cuda_families(s: Snapshot) -> Iterator[Metric]:
@@ -22,55 +74,18 @@ def cuda_families(s: Snapshot) -> Iterator[Metric]:
 
 class _CudaFamilies:
     def __init__(self) -> None:
-        labels = list(PROCESS_LABELS)
-        self.alloc_calls = CounterMetricFamily(
-            "kvwatch_cuda_alloc_calls",
-            "CUDA allocation calls (result ok / error)",
-            labels=[*labels, "api", "result"],
-        )
-        self.alloc_bytes = CounterMetricFamily(
-            "kvwatch_cuda_alloc_bytes", "bytes successfully allocated", labels=[*labels, "api"]
-        )
-        self.free_calls = CounterMetricFamily(
-            "kvwatch_cuda_free_calls", "CUDA free calls", labels=[*labels, "api", "result"]
-        )
-        self.freed_bytes = CounterMetricFamily(
-            "kvwatch_cuda_freed_bytes", "bytes freed (allocations kvwatch saw)", labels=[*labels, "api"]
-        )
-        self.unknown = CounterMetricFamily(
-            "kvwatch_cuda_free_unknown",
-            "successful frees of allocations made before kvwatch attached (size unknown)",
-            labels=[*labels, "api"],
-        )
-        self.maps = CounterMetricFamily(
-            "kvwatch_cuda_vmm_map_calls", "cuMemMap / cuMemUnmap calls", labels=[*labels, "api"]
-        )
-        self.mapped = CounterMetricFamily(
-            "kvwatch_cuda_vmm_mapped_bytes", "bytes mapped / unmapped by the VMM API", labels=[*labels, "api"]
-        )
-        self.outstanding = GaugeMetricFamily(
-            "kvwatch_cuda_outstanding_bytes",
-            "allocated minus freed since kvwatch attached (kind: device, host, vmm)",
-            labels=[*labels, "kind"],
-        )
-        self.failures = CounterMetricFamily(
-            "kvwatch_cuda_alloc_failures",
-            "failed allocation calls by CUDA error code",
-            labels=[*labels, "api", "code"],
-        )
-        self.attached = GaugeMetricFamily(
-            "kvwatch_cuda_probes_attached", "CUDA API symbols probed in the process", labels=labels
-        )
-        self.copy_calls = CounterMetricFamily(
-            "kvwatch_cuda_copy_calls",
-            "host/device copy calls by direction (h2d, d2h, d2d, default) and result",
-            labels=[*labels, "api", "direction", "result"],
-        )
-        self.copy_bytes = CounterMetricFamily(
-            "kvwatch_cuda_copy_bytes",
-            "bytes copied between host and device (KV offload d2h, reload h2d)",
-            labels=[*labels, "api", "direction"],
-        )
+        self.alloc_calls = METRICS.counter("kvwatch_cuda_alloc_calls")
+        self.alloc_bytes = METRICS.counter("kvwatch_cuda_alloc_bytes")
+        self.free_calls = METRICS.counter("kvwatch_cuda_free_calls")
+        self.freed_bytes = METRICS.counter("kvwatch_cuda_freed_bytes")
+        self.unknown = METRICS.counter("kvwatch_cuda_free_unknown")
+        self.maps = METRICS.counter("kvwatch_cuda_vmm_map_calls")
+        self.mapped = METRICS.counter("kvwatch_cuda_vmm_mapped_bytes")
+        self.outstanding = METRICS.gauge("kvwatch_cuda_outstanding_bytes")
+        self.failures = METRICS.counter("kvwatch_cuda_alloc_failures")
+        self.attached = METRICS.gauge("kvwatch_cuda_probes_attached")
+        self.copy_calls = METRICS.counter("kvwatch_cuda_copy_calls")
+        self.copy_bytes = METRICS.counter("kvwatch_cuda_copy_bytes")
 
     def add(self, v: list[str], cuda: CudaView) -> None:
         self.attached.add_metric(v, cuda.symbols_attached)

@@ -6,52 +6,123 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import ProcessView, Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_engine_kv_tier_stored_bytes",
+            COUNTER,
+            (
+                "KV bytes the engine says its tier stored (tier cpu, disk, remote, storage); source: "
+                "whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_loaded_bytes",
+            COUNTER,
+            (
+                "KV bytes the engine says its tier loaded (tier cpu, disk, remote, storage); source: "
+                "whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_evicted_bytes",
+            COUNTER,
+            (
+                "KV bytes the engine says its tier evicted (tier cpu, disk, remote, storage); source:"
+                " whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_stored_units",
+            COUNTER,
+            (
+                "KV the engine says its tier stored, in the engine's own unit (blocks, chunks, "
+                "tokens); source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source", "unit"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_loaded_units",
+            COUNTER,
+            (
+                "KV the engine says its tier loaded, in the engine's own unit (blocks, chunks, "
+                "tokens); source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source", "unit"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_evicted_units",
+            COUNTER,
+            (
+                "KV the engine says its tier evicted, in the engine's own unit (blocks, chunks, "
+                "tokens); source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source", "unit"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_queried_tokens",
+            COUNTER,
+            "tokens looked up in the tier; source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)",
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_hit_tokens",
+            COUNTER,
+            (
+                "of those, tokens found in the tier; source: whose metric names (vllm, lmcache, "
+                "lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_hit_ratio",
+            GAUGE,
+            (
+                "tokens found over tokens looked up in the tier over the rate window, or the engine's"
+                " own ratio where it exports only that (Dynamo KVBM); source: whose metric names "
+                "(vllm, lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_usage_ratio",
+            GAUGE,
+            (
+                "share of the tier's capacity in use, 0..1; source: whose metric names (vllm, "
+                "lmcache, lmcache_mp, sglang, kvbm)"
+            ),
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_tier_used_bytes",
+            GAUGE,
+            "bytes the tier holds; source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)",
+            (*PROCESS_LABELS, "tier", "source"),
+        ),
+    )
+)
 
 MOVES = ("stored", "loaded", "evicted")
-SOURCES = "source: whose metric names (vllm, lmcache, lmcache_mp, sglang, kvbm)"
 
 
 class _Families:
     def __init__(self) -> None:
-        labels = [*PROCESS_LABELS, "tier", "source"]
-        self.bytes = {
-            m: CounterMetricFamily(
-                f"kvwatch_engine_kv_tier_{m}_bytes",
-                f"KV bytes the engine says its tier {m} (tier cpu, disk, remote, storage); {SOURCES}",
-                labels=labels,
-            )
-            for m in MOVES
-        }
-        self.units = {
-            m: CounterMetricFamily(
-                f"kvwatch_engine_kv_tier_{m}_units",
-                f"KV the engine says its tier {m}, in the engine's own unit (blocks, chunks, tokens); {SOURCES}",
-                labels=[*labels, "unit"],
-            )
-            for m in MOVES
-        }
-        self.queried = CounterMetricFamily(
-            "kvwatch_engine_kv_tier_queried_tokens", f"tokens looked up in the tier; {SOURCES}", labels=labels
-        )
-        self.hit = CounterMetricFamily(
-            "kvwatch_engine_kv_tier_hit_tokens", f"of those, tokens found in the tier; {SOURCES}", labels=labels
-        )
-        self.hit_ratio = GaugeMetricFamily(
-            "kvwatch_engine_kv_tier_hit_ratio",
-            "tokens found over tokens looked up in the tier over the rate window, or the engine's own ratio "
-            f"where it exports only that (Dynamo KVBM); {SOURCES}",
-            labels=labels,
-        )
-        self.usage = GaugeMetricFamily(
-            "kvwatch_engine_kv_tier_usage_ratio", f"share of the tier's capacity in use, 0..1; {SOURCES}", labels=labels
-        )
-        self.used = GaugeMetricFamily(
-            "kvwatch_engine_kv_tier_used_bytes", f"bytes the tier holds; {SOURCES}", labels=labels
-        )
+        self.bytes = {m: METRICS.counter(f"kvwatch_engine_kv_tier_{m}_bytes") for m in MOVES}
+        self.units = {m: METRICS.counter(f"kvwatch_engine_kv_tier_{m}_units") for m in MOVES}
+        self.queried = METRICS.counter("kvwatch_engine_kv_tier_queried_tokens")
+        self.hit = METRICS.counter("kvwatch_engine_kv_tier_hit_tokens")
+        self.hit_ratio = METRICS.gauge("kvwatch_engine_kv_tier_hit_ratio")
+        self.usage = METRICS.gauge("kvwatch_engine_kv_tier_usage_ratio")
+        self.used = METRICS.gauge("kvwatch_engine_kv_tier_used_bytes")
 
     def add(self, p: ProcessView) -> None:
         e = p.engine

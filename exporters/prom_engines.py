@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.engines import (
     REGRET_BUCKETS,
@@ -17,21 +17,277 @@ from kvwatch.daemon.model.engines import (
 )
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, HISTOGRAM, Metrics, MetricSpec
 from kvwatch.exporters.prom_aggregates import cache_resets
 
-# per KV event stream: StreamStats attribute, metric name, help
-STREAM_COUNTERS = (
-    ("batches", "kvwatch_kv_event_batches", "KV event batches decoded"),
-    ("gaps", "kvwatch_kv_event_gaps", "sequence gaps seen (batches missed)"),
-    ("replayed", "kvwatch_kv_event_batches_replayed", "missed batches recovered from the replay endpoint"),
-    ("lost", "kvwatch_kv_event_batches_lost", "missed batches not recovered"),
+METRICS = Metrics(
     (
-        "abandoned",
-        "kvwatch_kv_event_batches_abandoned",
-        "of the lost, batches given up without asking the replay endpoint: more awaited replay than a "
-        "replay buffer holds (10,000, vLLM's default buffer_steps)",
-    ),
-    ("restarts", "kvwatch_kv_event_publisher_restarts", "the publisher's sequence began again"),
+        MetricSpec(
+            "kvwatch_kv_blocks_stored",
+            COUNTER,
+            "KV blocks stored, from the engine's KV event stream",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_blocks_removed",
+            COUNTER,
+            "KV blocks evicted, from the engine's KV event stream",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_blocks_removed_young",
+            COUNTER,
+            "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_blocks_announced",
+            COUNTER,
+            (
+                "KV blocks the engine announced again while it held them, as a request's prefix: "
+                "prefix-cache hits it reports (vLLM kv_cache_report_mode full), not stores"
+            ),
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_blocks_regretted",
+            COUNTER,
+            (
+                "KV blocks stored again after the engine removed them (a removal within "
+                "kvwatch_kv_regret_horizon_seconds): evictions the engine regretted"
+            ),
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_blocks_restored",
+            COUNTER,
+            "KV blocks stored again while the engine still held them: prefixes its cache did not serve",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_regret_recomputed_tokens",
+            COUNTER,
+            "tokens of the regretted blocks (block_size each): what their eviction made the engine compute again",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_regret_seconds",
+            HISTOGRAM,
+            "time from a regretted block's removal to its store again",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_regret_horizon_seconds",
+            GAUGE,
+            (
+                "seconds of removals remembered now, back from the stream's last batch (the shortest "
+                "of its data-parallel ranks'): a block stored again after longer than this may be a "
+                "regret not counted"
+            ),
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_regret_ratio",
+            GAUGE,
+            "regretted over removed KV blocks, over the KVEvictionBurst window (absent without removals)",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_stored",
+            COUNTER,
+            "KV blocks stored, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_removed",
+            COUNTER,
+            "KV blocks evicted, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_removed_young",
+            COUNTER,
+            "KV blocks evicted within engines.thrash_seconds of being stored, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_regretted",
+            COUNTER,
+            "KV blocks stored again after the engine removed them, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_restored",
+            COUNTER,
+            "KV blocks stored again while the engine still held them, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_announced",
+            COUNTER,
+            "KV blocks announced again while held: prefix-cache hits reported, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_group_blocks_resident",
+            GAUGE,
+            "KV blocks held now, per KV cache group",
+            (*PROCESS_LABELS, "medium", "group", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_cache_group_info",
+            GAUGE,
+            (
+                "a KV cache group the engine announced: its attention kind, its sliding window in "
+                "tokens, whether the medium's logical counts follow it (reference), where the medium "
+                "lives (locality)"
+            ),
+            (*PROCESS_LABELS, "medium", "group", "kind", "sliding_window", "reference", "locality"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_blocks_stored_extra_keys",
+            COUNTER,
+            (
+                "KV blocks stored whose hash carries an extra key: a LoRA adapter (lora), a request's"
+                " cache salt (cache_salt, its first block), multimodal inputs, prompt embeddings"
+            ),
+            (*PROCESS_LABELS, "key"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_cache_resets", COUNTER, "AllBlocksCleared events (prefix-cache reset, sleep)", PROCESS_LABELS
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_stream_connected",
+            GAUGE,
+            "1 while the KV event subscriber is connected",
+            (*PROCESS_LABELS, "endpoint", "dp_rank"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_batches", COUNTER, "KV event batches decoded", (*PROCESS_LABELS, "endpoint", "dp_rank")
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_gaps",
+            COUNTER,
+            "sequence gaps seen (batches missed)",
+            (*PROCESS_LABELS, "endpoint", "dp_rank"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_batches_replayed",
+            COUNTER,
+            "missed batches recovered from the replay endpoint",
+            (*PROCESS_LABELS, "endpoint", "dp_rank"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_batches_lost",
+            COUNTER,
+            "missed batches not recovered",
+            (*PROCESS_LABELS, "endpoint", "dp_rank"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_batches_abandoned",
+            COUNTER,
+            (
+                "of the lost, batches given up without asking the replay endpoint: more awaited "
+                "replay than a replay buffer holds (10,000, vLLM's default buffer_steps)"
+            ),
+            (*PROCESS_LABELS, "endpoint", "dp_rank"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_publisher_restarts",
+            COUNTER,
+            "the publisher's sequence began again",
+            (*PROCESS_LABELS, "endpoint", "dp_rank"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_event_decode_errors",
+            COUNTER,
+            (
+                "messages dropped as malformed or implausible (kind frames, sequence, payload, "
+                "nesting, timestamp, block_size, size, internal), events dropped (event) or kept "
+                "undescribed (field)"
+            ),
+            (*PROCESS_LABELS, "endpoint", "dp_rank", "kind"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_scrapes",
+            COUNTER,
+            (
+                "scrapes of the engine's /metrics by result (ok, deadline, connect, redirect, "
+                "http_NNN, protocol, tls, too_large, parse, url, other)"
+            ),
+            (*PROCESS_LABELS, "result"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_samples_rejected",
+            COUNTER,
+            (
+                "samples of the engine's /metrics that kvwatch reads, dropped from pages that "
+                "counted, by reason (nan, infinite, negative, too_large, above_one, bad_label)"
+            ),
+            (*PROCESS_LABELS, "reason"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_taps_refused",
+            GAUGE,
+            (
+                "taps the engine's command line asked for that kvwatch refused, by reason "
+                "(metrics_host: not the engine's own address; metrics_port; kv_event_streams: "
+                "data-parallel ranks past 256; kv_event_endpoint: a port out of range, a path outside"
+                " the engine's root)"
+            ),
+            (*PROCESS_LABELS, "reason"),
+        ),
+        MetricSpec("kvwatch_engine_kv_usage_ratio", GAUGE, "KV pool usage the engine reports (0..1)", PROCESS_LABELS),
+        MetricSpec(
+            "kvwatch_engine_prefix_cache_hit_ratio",
+            GAUGE,
+            "prefix-cache hits over queried tokens, over the detector window",
+            PROCESS_LABELS,
+        ),
+        MetricSpec(
+            "kvwatch_engine_prefix_cache_queried_tokens",
+            COUNTER,
+            "tokens the engine looked up in its prefix cache (medium GPU) or its KV connector's tier (CPU)",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_prefix_cache_hit_tokens",
+            COUNTER,
+            "of those, tokens found (vLLM prefix_cache_hits / external_prefix_cache_hits)",
+            (*PROCESS_LABELS, "medium"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_preemptions",
+            COUNTER,
+            "requests the engine preempted (vLLM num_preemptions)",
+            PROCESS_LABELS,
+        ),
+        MetricSpec(
+            "kvwatch_engine_generation_tokens",
+            COUNTER,
+            "tokens the engine generated (vLLM / SGLang generation_tokens)",
+            PROCESS_LABELS,
+        ),
+        MetricSpec(
+            "kvwatch_engine_kv_offload_bytes",
+            COUNTER,
+            "KV bytes the engine reports copying to its CPU tier (d2h) and back (h2d): vLLM kv_offload_*_bytes",
+            (*PROCESS_LABELS, "direction"),
+        ),
+        MetricSpec(
+            "kvwatch_engine_sleeping", GAUGE, "1 while the engine reports sleep mode (KV pool released)", PROCESS_LABELS
+        ),
+    )
+)
+
+# per KV event stream: StreamStats attribute, metric name
+STREAM_COUNTERS = (
+    ("batches", "kvwatch_kv_event_batches"),
+    ("gaps", "kvwatch_kv_event_gaps"),
+    ("replayed", "kvwatch_kv_event_batches_replayed"),
+    ("lost", "kvwatch_kv_event_batches_lost"),
+    ("abandoned", "kvwatch_kv_event_batches_abandoned"),
+    ("restarts", "kvwatch_kv_event_publisher_restarts"),
 )
 
 
@@ -58,49 +314,17 @@ class _KvEventFamilies:
     """What the engine's KV event stream says (blocks stored and evicted) and how the stream fares."""
 
     def __init__(self, labels: list[str]) -> None:
-        self.stored = CounterMetricFamily(
-            "kvwatch_kv_blocks_stored",
-            "KV blocks stored, from the engine's KV event stream",
-            labels=[*labels, "medium"],
-        )
-        self.removed = CounterMetricFamily(
-            "kvwatch_kv_blocks_removed",
-            "KV blocks evicted, from the engine's KV event stream",
-            labels=[*labels, "medium"],
-        )
-        self.young = CounterMetricFamily(
-            "kvwatch_kv_blocks_removed_young",
-            "KV blocks evicted within engines.thrash_seconds of being stored (hot blocks)",
-            labels=[*labels, "medium"],
-        )
-        self.announced = CounterMetricFamily(
-            "kvwatch_kv_blocks_announced",
-            "KV blocks the engine announced again while it held them, as a request's prefix: prefix-cache "
-            "hits it reports (vLLM kv_cache_report_mode full), not stores",
-            labels=[*labels, "medium"],
-        )
+        self.stored = METRICS.counter("kvwatch_kv_blocks_stored")
+        self.removed = METRICS.counter("kvwatch_kv_blocks_removed")
+        self.young = METRICS.counter("kvwatch_kv_blocks_removed_young")
+        self.announced = METRICS.counter("kvwatch_kv_blocks_announced")
         self.regret = _RegretFamilies([*labels, "medium"])
         self.groups = _GroupFamilies(labels)
-        self.extras = CounterMetricFamily(
-            "kvwatch_kv_blocks_stored_extra_keys",
-            "KV blocks stored whose hash carries an extra key: a LoRA adapter (lora), a request's cache "
-            "salt (cache_salt, its first block), multimodal inputs, prompt embeddings",
-            labels=[*labels, "key"],
-        )
-        self.resets = CounterMetricFamily(
-            "kvwatch_kv_cache_resets", "AllBlocksCleared events (prefix-cache reset, sleep)", labels=labels
-        )
-        s_labels = [*labels, "endpoint", "dp_rank"]
-        self.connected = GaugeMetricFamily(
-            "kvwatch_kv_event_stream_connected", "1 while the KV event subscriber is connected", labels=s_labels
-        )
-        self.per_stream = {attr: CounterMetricFamily(name, doc, labels=s_labels) for attr, name, doc in STREAM_COUNTERS}
-        self.bad = CounterMetricFamily(
-            "kvwatch_kv_event_decode_errors",
-            "messages dropped as malformed or implausible (kind frames, sequence, payload, nesting, timestamp, "
-            "block_size, size, internal), events dropped (event) or kept undescribed (field)",
-            labels=[*s_labels, "kind"],
-        )
+        self.extras = METRICS.counter("kvwatch_kv_blocks_stored_extra_keys")
+        self.resets = METRICS.counter("kvwatch_kv_cache_resets")
+        self.connected = METRICS.gauge("kvwatch_kv_event_stream_connected")
+        self.per_stream = {attr: METRICS.counter(name) for attr, name in STREAM_COUNTERS}
+        self.bad = METRICS.counter("kvwatch_kv_event_decode_errors")
 
     def add(self, v: list[str], e: EngineView) -> None:
         if e.streams:
@@ -139,30 +363,12 @@ class _GroupFamilies:
     """Per KV cache group (hybrid models): its physical blocks. Only for a medium whose stream
     announced more than one group; a single-group engine's are the medium's own counts."""
 
-    COUNTERS = (
-        ("stored", "stored", "KV blocks stored"),
-        ("removed", "removed", "KV blocks evicted"),
-        ("removed_young", "removed_young", "KV blocks evicted within engines.thrash_seconds of being stored"),
-        ("regretted", "regretted", "KV blocks stored again after the engine removed them"),
-        ("restored", "restored", "KV blocks stored again while the engine still held them"),
-        ("announced", "announced", "KV blocks announced again while held: prefix-cache hits reported"),
-    )
+    COUNTERS = ("stored", "removed", "removed_young", "regretted", "restored", "announced")  # GroupTotals attributes
 
     def __init__(self, labels: list[str]) -> None:
-        g = [*labels, "medium", "group", "kind"]
-        self.counters = {
-            attr: CounterMetricFamily(f"kvwatch_kv_group_blocks_{name}", f"{doc}, per KV cache group", labels=g)
-            for attr, name, doc in self.COUNTERS
-        }
-        self.resident = GaugeMetricFamily(
-            "kvwatch_kv_group_blocks_resident", "KV blocks held now, per KV cache group", labels=g
-        )
-        self.info = GaugeMetricFamily(
-            "kvwatch_kv_cache_group_info",
-            "a KV cache group the engine announced: its attention kind, its sliding window in tokens, "
-            "whether the medium's logical counts follow it (reference), where the medium lives (locality)",
-            labels=[*g, "sliding_window", "reference", "locality"],
-        )
+        self.counters = {attr: METRICS.counter(f"kvwatch_kv_group_blocks_{attr}") for attr in self.COUNTERS}
+        self.resident = METRICS.gauge("kvwatch_kv_group_blocks_resident")
+        self.info = METRICS.gauge("kvwatch_kv_cache_group_info")
 
     def add(self, v: list[str], e: EngineView) -> None:
         groups = e.groups
@@ -191,36 +397,12 @@ class _RegretFamilies:
     """Evictions the engine regretted: removed blocks it stored again, from its KV event stream."""
 
     def __init__(self, labels: list[str]) -> None:
-        self.blocks = CounterMetricFamily(
-            "kvwatch_kv_blocks_regretted",
-            "KV blocks stored again after the engine removed them (a removal within "
-            "kvwatch_kv_regret_horizon_seconds): evictions the engine regretted",
-            labels=labels,
-        )
-        self.restored = CounterMetricFamily(
-            "kvwatch_kv_blocks_restored",
-            "KV blocks stored again while the engine still held them: prefixes its cache did not serve",
-            labels=labels,
-        )
-        self.tokens = CounterMetricFamily(
-            "kvwatch_kv_regret_recomputed_tokens",
-            "tokens of the regretted blocks (block_size each): what their eviction made the engine compute again",
-            labels=labels,
-        )
-        self.seconds = HistogramMetricFamily(
-            "kvwatch_kv_regret_seconds", "time from a regretted block's removal to its store again", labels=labels
-        )
-        self.horizon = GaugeMetricFamily(
-            "kvwatch_kv_regret_horizon_seconds",
-            "seconds of removals remembered now, back from the stream's last batch (the shortest of its "
-            "data-parallel ranks'): a block stored again after longer than this may be a regret not counted",
-            labels=labels,
-        )
-        self.ratio = GaugeMetricFamily(
-            "kvwatch_kv_regret_ratio",
-            "regretted over removed KV blocks, over the KVEvictionBurst window (absent without removals)",
-            labels=labels,
-        )
+        self.blocks = METRICS.counter("kvwatch_kv_blocks_regretted")
+        self.restored = METRICS.counter("kvwatch_kv_blocks_restored")
+        self.tokens = METRICS.counter("kvwatch_kv_regret_recomputed_tokens")
+        self.seconds = METRICS.histogram("kvwatch_kv_regret_seconds")
+        self.horizon = METRICS.gauge("kvwatch_kv_regret_horizon_seconds")
+        self.ratio = METRICS.gauge("kvwatch_kv_regret_ratio")
 
     def add(self, v: list[str], m: MediumTotals, ratio: float | None, horizon: float | None) -> None:
         self.blocks.add_metric(v, m.regretted)
@@ -244,33 +426,11 @@ class _ScrapeFamilies:
     """How the engine's /metrics scrapes fare, and the KV usage and hit ratio read from them."""
 
     def __init__(self, labels: list[str]) -> None:
-        self.scrapes = CounterMetricFamily(
-            "kvwatch_engine_scrapes",
-            "scrapes of the engine's /metrics by result (ok, deadline, connect, redirect, http_NNN, protocol, "
-            "tls, too_large, parse, url, other)",
-            labels=[*labels, "result"],
-        )
-        self.rejected = CounterMetricFamily(
-            "kvwatch_engine_samples_rejected",
-            "samples of the engine's /metrics that kvwatch reads, dropped from pages that counted, by reason "
-            "(nan, infinite, negative, too_large, above_one, bad_label)",
-            labels=[*labels, "reason"],
-        )
-        self.refused = GaugeMetricFamily(
-            "kvwatch_engine_taps_refused",
-            "taps the engine's command line asked for that kvwatch refused, by reason (metrics_host: not the "
-            "engine's own address; metrics_port; kv_event_streams: data-parallel ranks past 256; "
-            "kv_event_endpoint: a port out of range, a path outside the engine's root)",
-            labels=[*labels, "reason"],
-        )
-        self.usage = GaugeMetricFamily(
-            "kvwatch_engine_kv_usage_ratio", "KV pool usage the engine reports (0..1)", labels=labels
-        )
-        self.hit = GaugeMetricFamily(
-            "kvwatch_engine_prefix_cache_hit_ratio",
-            "prefix-cache hits over queried tokens, over the detector window",
-            labels=labels,
-        )
+        self.scrapes = METRICS.counter("kvwatch_engine_scrapes")
+        self.rejected = METRICS.counter("kvwatch_engine_samples_rejected")
+        self.refused = METRICS.gauge("kvwatch_engine_taps_refused")
+        self.usage = METRICS.gauge("kvwatch_engine_kv_usage_ratio")
+        self.hit = METRICS.gauge("kvwatch_engine_prefix_cache_hit_ratio")
 
     def add(self, v: list[str], e: EngineView) -> None:
         if e.scrape is not None:
@@ -297,32 +457,12 @@ class _EngineCounters:
     """The engine's own counters its alerts join with, as its last scrape read them."""
 
     def __init__(self, labels: list[str]) -> None:
-        self.queried = CounterMetricFamily(
-            "kvwatch_engine_prefix_cache_queried_tokens",
-            "tokens the engine looked up in its prefix cache (medium GPU) or its KV connector's tier (CPU)",
-            labels=[*labels, "medium"],
-        )
-        self.hit = CounterMetricFamily(
-            "kvwatch_engine_prefix_cache_hit_tokens",
-            "of those, tokens found (vLLM prefix_cache_hits / external_prefix_cache_hits)",
-            labels=[*labels, "medium"],
-        )
-        self.preemptions = CounterMetricFamily(
-            "kvwatch_engine_preemptions", "requests the engine preempted (vLLM num_preemptions)", labels=labels
-        )
-        self.generated = CounterMetricFamily(
-            "kvwatch_engine_generation_tokens",
-            "tokens the engine generated (vLLM / SGLang generation_tokens)",
-            labels=labels,
-        )
-        self.offload = CounterMetricFamily(
-            "kvwatch_engine_kv_offload_bytes",
-            "KV bytes the engine reports copying to its CPU tier (d2h) and back (h2d): vLLM kv_offload_*_bytes",
-            labels=[*labels, "direction"],
-        )
-        self.sleeping = GaugeMetricFamily(
-            "kvwatch_engine_sleeping", "1 while the engine reports sleep mode (KV pool released)", labels=labels
-        )
+        self.queried = METRICS.counter("kvwatch_engine_prefix_cache_queried_tokens")
+        self.hit = METRICS.counter("kvwatch_engine_prefix_cache_hit_tokens")
+        self.preemptions = METRICS.counter("kvwatch_engine_preemptions")
+        self.generated = METRICS.counter("kvwatch_engine_generation_tokens")
+        self.offload = METRICS.counter("kvwatch_engine_kv_offload_bytes")
+        self.sleeping = METRICS.gauge("kvwatch_engine_sleeping")
 
     def add(self, v: list[str], x: EngineSample) -> None:
         for medium, q, h in (("GPU", x.prefix_queries, x.prefix_hits), ("CPU", x.external_queries, x.external_hits)):

@@ -5,30 +5,54 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
 
-LOSS_DOC = (
-    "KV cache {what} a tier lost, by cause: evicted (engine LRU; disk: files deleted), preempted "
-    "(GPU evictions while the engine preempted), offload_dropped (GPU blocks that never reached the "
-    "CPU tier), reclaim (disk tier page cache reclaimed), cleared (reset/sleep), oom (resident at an OOM kill)"
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_kv_lost_bytes",
+            COUNTER,
+            (
+                "KV cache bytes a tier lost, by cause: evicted (engine LRU; disk: files deleted), "
+                "preempted (GPU evictions while the engine preempted), offload_dropped (GPU blocks "
+                "that never reached the CPU tier), reclaim (disk tier page cache reclaimed), cleared "
+                "(reset/sleep), oom (resident at an OOM kill)"
+            ),
+            (*PROCESS_LABELS, "tier", "cause"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_lost_blocks",
+            COUNTER,
+            (
+                "KV cache blocks a tier lost, by cause: evicted (engine LRU; disk: files deleted), "
+                "preempted (GPU evictions while the engine preempted), offload_dropped (GPU blocks "
+                "that never reached the CPU tier), reclaim (disk tier page cache reclaimed), cleared "
+                "(reset/sleep), oom (resident at an OOM kill); disk tiers count bytes only"
+            ),
+            (*PROCESS_LABELS, "tier", "cause"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_block_bytes",
+            GAUGE,
+            (
+                "bytes of one KV block that price the loss ledger; source config, offload (the common"
+                " divisor of the engine's offload bytes) or offload_ratio (those bytes over the CPU "
+                "blocks announced)"
+            ),
+            (*PROCESS_LABELS, "source"),
+        ),
+    )
 )
 
 
 def loss_families(s: Snapshot) -> Iterator[Metric]:
-    labels = [*PROCESS_LABELS, "tier", "cause"]
-    lost_bytes = CounterMetricFamily("kvwatch_kv_lost_bytes", LOSS_DOC.format(what="bytes"), labels=labels)
-    lost_blocks = CounterMetricFamily(
-        "kvwatch_kv_lost_blocks", LOSS_DOC.format(what="blocks") + "; disk tiers count bytes only", labels=labels
-    )
-    block_bytes = GaugeMetricFamily(
-        "kvwatch_kv_block_bytes",
-        "bytes of one KV block that price the loss ledger; source config, offload (the common divisor of the "
-        "engine's offload bytes) or offload_ratio (those bytes over the CPU blocks announced)",
-        labels=[*PROCESS_LABELS, "source"],
-    )
+    lost_bytes = METRICS.counter("kvwatch_kv_lost_bytes")
+    lost_blocks = METRICS.counter("kvwatch_kv_lost_blocks")
+    block_bytes = METRICS.gauge("kvwatch_kv_block_bytes")
     # processes gone within engines.loss_linger_seconds keep their rows (an OOM kill's losses),
     # unless a live process has the same labels (its PID reused): one series per label set
     live = [(label_values(p.labels, PROCESS_LABELS), p.kv_losses) for p in s.processes]

@@ -6,31 +6,73 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_page_free_pages", COUNTER, "pages released by a watched process (in its context)", PROCESS_LABELS
+        ),
+        MetricSpec(
+            "kvwatch_direct_reclaim_seconds",
+            COUNTER,
+            "time a watched process spent stalled in direct reclaim (scope: global or memcg limit)",
+            (*PROCESS_LABELS, "scope"),
+        ),
+        MetricSpec(
+            "kvwatch_direct_reclaim_stalls",
+            COUNTER,
+            "direct reclaim episodes of a watched process",
+            (*PROCESS_LABELS, "scope"),
+        ),
+        MetricSpec("kvwatch_gpu_memory_used_bytes", GAUGE, "GPU memory held by the process (NVML)", PROCESS_LABELS),
+        MetricSpec(
+            "kvwatch_pagecache_evicted_bytes",
+            COUNTER,
+            (
+                "page-cache bytes of KV-tier files evicted; cause=reclaim (memory pressure) or policy"
+                " (deleted/truncated)"
+            ),
+            ("tier", "cause"),
+        ),
+        MetricSpec(
+            "kvwatch_pagecache_reclaimed_bytes",
+            COUNTER,
+            (
+                "page-cache bytes of KV-tier files evicted by reclaim, by who reclaimed them (summed:"
+                " the tier's cause=reclaim); reclaimer=cgroup (a task in reclaim: its cgroup), "
+                "kswapd, kdamond, other (cgroups past the per-tier cap) or unknown; scope=global "
+                "(node-wide pressure) or memcg (a cgroup's limit)"
+            ),
+            ("tier", "reclaimer", "scope", "reclaimer_cgroup", "reclaimer_pod_uid", "reclaimer_container"),
+        ),
+        MetricSpec(
+            "kvwatch_pagecache_refault_pages",
+            COUNTER,
+            "KV-tier file pages read back after reclaim evicted them",
+            ("tier",),
+        ),
+        MetricSpec("kvwatch_kv_tier_files", GAUGE, "files tracked in the KV tier", ("tier", "source")),
+        MetricSpec(
+            "kvwatch_oom_kills", COUNTER, "OOM kills of watched processes", ("engine", "role", "container", "pod")
+        ),
+        MetricSpec("kvwatch_memory_pressure_some_avg10", GAUGE, "node memory PSI 'some' avg10 (percent)", ()),
+    )
+)
 
 OOM_LABELS = ("engine", "role", "container", "pod")
 RECLAIMER_LABELS = ("tier", "reclaimer", "scope", "reclaimer_cgroup", "reclaimer_pod_uid", "reclaimer_container")
 
 
 def process_families(s: Snapshot) -> Iterator[Metric]:
-    labels = list(PROCESS_LABELS)
-    pages = CounterMetricFamily(
-        "kvwatch_page_free_pages", "pages released by a watched process (in its context)", labels=labels
-    )
-    reclaim = CounterMetricFamily(
-        "kvwatch_direct_reclaim_seconds",
-        "time a watched process spent stalled in direct reclaim (scope: global or memcg limit)",
-        labels=[*labels, "scope"],
-    )
-    stalls = CounterMetricFamily(
-        "kvwatch_direct_reclaim_stalls",
-        "direct reclaim episodes of a watched process",
-        labels=[*labels, "scope"],
-    )
-    gpu = GaugeMetricFamily("kvwatch_gpu_memory_used_bytes", "GPU memory held by the process (NVML)", labels=labels)
+    pages = METRICS.counter("kvwatch_page_free_pages")
+    reclaim = METRICS.counter("kvwatch_direct_reclaim_seconds")
+    stalls = METRICS.counter("kvwatch_direct_reclaim_stalls")
+    gpu = METRICS.gauge("kvwatch_gpu_memory_used_bytes")
     for p in s.processes:
         v = label_values(p.labels, PROCESS_LABELS)
         m = p.memory
@@ -48,24 +90,10 @@ def process_families(s: Snapshot) -> Iterator[Metric]:
 
 
 def tier_families(s: Snapshot) -> Iterator[Metric]:
-    evicted = CounterMetricFamily(
-        "kvwatch_pagecache_evicted_bytes",
-        "page-cache bytes of KV-tier files evicted; cause=reclaim (memory pressure) or policy (deleted/truncated)",
-        labels=["tier", "cause"],
-    )
-    reclaimed = CounterMetricFamily(
-        "kvwatch_pagecache_reclaimed_bytes",
-        "page-cache bytes of KV-tier files evicted by reclaim, by who reclaimed them (summed: the tier's"
-        " cause=reclaim); reclaimer=cgroup (a task in reclaim: its cgroup), kswapd, kdamond, other (cgroups"
-        " past the per-tier cap) or unknown; scope=global (node-wide pressure) or memcg (a cgroup's limit)",
-        labels=list(RECLAIMER_LABELS),
-    )
-    refault = CounterMetricFamily(
-        "kvwatch_pagecache_refault_pages",
-        "KV-tier file pages read back after reclaim evicted them",
-        labels=["tier"],
-    )
-    files = GaugeMetricFamily("kvwatch_kv_tier_files", "files tracked in the KV tier", labels=["tier", "source"])
+    evicted = METRICS.counter("kvwatch_pagecache_evicted_bytes")
+    reclaimed = METRICS.counter("kvwatch_pagecache_reclaimed_bytes")
+    refault = METRICS.counter("kvwatch_pagecache_refault_pages")
+    files = METRICS.gauge("kvwatch_kv_tier_files")
     for t in s.tiers:
         evicted.add_metric([t.name, "reclaim"], t.totals.reclaim_bytes)
         evicted.add_metric([t.name, "policy"], t.totals.policy_bytes)
@@ -80,7 +108,7 @@ def tier_families(s: Snapshot) -> Iterator[Metric]:
 
 
 def oom_family(s: Snapshot) -> Iterator[Metric]:
-    oom = CounterMetricFamily("kvwatch_oom_kills", "OOM kills of watched processes", labels=list(OOM_LABELS))
+    oom = METRICS.counter("kvwatch_oom_kills")
     for key, n in sorted(s.oom_kills.items()):
         oom.add_metric(list(key), n)
     yield oom
@@ -89,6 +117,6 @@ def oom_family(s: Snapshot) -> Iterator[Metric]:
 def psi_family(s: Snapshot) -> Iterator[Metric]:
     """Only when the node's memory PSI could be read: no series rather than a 0 that reads as no pressure."""
     if s.psi_memory_some_avg10 is not None:
-        psi = GaugeMetricFamily("kvwatch_memory_pressure_some_avg10", "node memory PSI 'some' avg10 (percent)")
+        psi = METRICS.gauge("kvwatch_memory_pressure_some_avg10")
         psi.add_metric([], s.psi_memory_some_avg10)
         yield psi

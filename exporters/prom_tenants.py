@@ -6,53 +6,122 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
-from kvwatch.exporters.prom_losses import LOSS_DOC
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, Metrics, MetricSpec
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_kv_tenant_blocks_stored",
+            COUNTER,
+            (
+                "KV blocks stored, per tenant; tenant: a configured name, salt-XXXXXXXX (an unnamed "
+                "cache salt, keyed hash), lora:ADAPTER, default (no salt, no adapter), unknown "
+                "(parent never seen), other (past engines.tenant_top_k)"
+            ),
+            (*PROCESS_LABELS, "medium", "tenant"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_blocks_removed",
+            COUNTER,
+            (
+                "KV blocks evicted, per tenant (whose blocks they were); tenant: a configured name, "
+                "salt-XXXXXXXX (an unnamed cache salt, keyed hash), lora:ADAPTER, default (no salt, "
+                "no adapter), unknown (parent never seen), other (past engines.tenant_top_k)"
+            ),
+            (*PROCESS_LABELS, "medium", "tenant"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_blocks_removed_young",
+            COUNTER,
+            (
+                "KV blocks evicted within engines.thrash_seconds of being stored, per tenant; tenant:"
+                " a configured name, salt-XXXXXXXX (an unnamed cache salt, keyed hash), lora:ADAPTER,"
+                " default (no salt, no adapter), unknown (parent never seen), other (past "
+                "engines.tenant_top_k)"
+            ),
+            (*PROCESS_LABELS, "medium", "tenant"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_blocks_regretted",
+            COUNTER,
+            (
+                "KV blocks stored again after their eviction, per tenant; tenant: a configured name, "
+                "salt-XXXXXXXX (an unnamed cache salt, keyed hash), lora:ADAPTER, default (no salt, "
+                "no adapter), unknown (parent never seen), other (past engines.tenant_top_k)"
+            ),
+            (*PROCESS_LABELS, "medium", "tenant"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_regret_recomputed_tokens",
+            COUNTER,
+            (
+                "tokens of the tenant's regretted blocks: prefill recomputed (or reloaded) because of"
+                " evictions; tenant: a configured name, salt-XXXXXXXX (an unnamed cache salt, keyed "
+                "hash), lora:ADAPTER, default (no salt, no adapter), unknown (parent never seen), "
+                "other (past engines.tenant_top_k)"
+            ),
+            (*PROCESS_LABELS, "medium", "tenant"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_blocks_resident",
+            GAUGE,
+            "KV blocks held now, per tenant (its share of the pool)",
+            (*PROCESS_LABELS, "medium", "tenant"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_lost_bytes",
+            COUNTER,
+            (
+                "KV cache bytes a tier lost, by cause: evicted (engine LRU; disk: files deleted), "
+                "preempted (GPU evictions while the engine preempted), offload_dropped (GPU blocks "
+                "that never reached the CPU tier), reclaim (disk tier page cache reclaimed), cleared "
+                "(reset/sleep), oom (resident at an OOM kill), per tenant"
+            ),
+            (*PROCESS_LABELS, "tenant", "tier", "cause"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenant_lost_blocks",
+            COUNTER,
+            (
+                "KV cache blocks a tier lost, by cause: evicted (engine LRU; disk: files deleted), "
+                "preempted (GPU evictions while the engine preempted), offload_dropped (GPU blocks "
+                "that never reached the CPU tier), reclaim (disk tier page cache reclaimed), cleared "
+                "(reset/sleep), oom (resident at an OOM kill), per tenant"
+            ),
+            (*PROCESS_LABELS, "tenant", "tier", "cause"),
+        ),
+        MetricSpec(
+            "kvwatch_kv_tenants",
+            GAUGE,
+            (
+                "tenants seen: labelled (their own label) or folded (counted under tenant other, past"
+                " engines.tenant_top_k or a stream's cap)"
+            ),
+            (*PROCESS_LABELS, "state"),
+        ),
+    )
+)
 
 # TenantRow attribute, metric name, help
-COUNTERS = (
-    ("stored", "kvwatch_kv_tenant_blocks_stored", "KV blocks stored, per tenant"),
-    ("removed", "kvwatch_kv_tenant_blocks_removed", "KV blocks evicted, per tenant (whose blocks they were)"),
-    (
-        "removed_young",
-        "kvwatch_kv_tenant_blocks_removed_young",
-        "KV blocks evicted within engines.thrash_seconds of being stored, per tenant",
-    ),
-    ("regretted", "kvwatch_kv_tenant_blocks_regretted", "KV blocks stored again after their eviction, per tenant"),
-    (
-        "regret_tokens",
-        "kvwatch_kv_tenant_regret_recomputed_tokens",
-        "tokens of the tenant's regretted blocks: prefill recomputed (or reloaded) because of evictions",
-    ),
-)
-TENANT_DOC = (
-    "; tenant: a configured name, salt-XXXXXXXX (an unnamed cache salt, keyed hash), lora:ADAPTER, default "
-    "(no salt, no adapter), unknown (parent never seen), other (past engines.tenant_top_k)"
+COUNTERS = (  # per tenant: MediumTotals attribute, metric name
+    ("stored", "kvwatch_kv_tenant_blocks_stored"),
+    ("removed", "kvwatch_kv_tenant_blocks_removed"),
+    ("removed_young", "kvwatch_kv_tenant_blocks_removed_young"),
+    ("regretted", "kvwatch_kv_tenant_blocks_regretted"),
+    ("regret_tokens", "kvwatch_kv_tenant_regret_recomputed_tokens"),
 )
 
 
 def tenant_families(s: Snapshot) -> Iterator[Metric]:
-    labels = [*PROCESS_LABELS, "medium", "tenant"]
-    counters = {attr: CounterMetricFamily(name, doc + TENANT_DOC, labels=labels) for attr, name, doc in COUNTERS}
-    resident = GaugeMetricFamily(
-        "kvwatch_kv_tenant_blocks_resident", "KV blocks held now, per tenant (its share of the pool)", labels=labels
-    )
-    loss_labels = [*PROCESS_LABELS, "tenant", "tier", "cause"]
-    lost_bytes = CounterMetricFamily(
-        "kvwatch_kv_tenant_lost_bytes", LOSS_DOC.format(what="bytes") + ", per tenant", labels=loss_labels
-    )
-    lost_blocks = CounterMetricFamily(
-        "kvwatch_kv_tenant_lost_blocks", LOSS_DOC.format(what="blocks") + ", per tenant", labels=loss_labels
-    )
-    count = GaugeMetricFamily(
-        "kvwatch_kv_tenants",
-        "tenants seen: labelled (their own label) or folded (counted under tenant other, past engines.tenant_top_k "
-        "or a stream's cap)",
-        labels=[*PROCESS_LABELS, "state"],
-    )
+    counters = {attr: METRICS.counter(name) for attr, name in COUNTERS}
+    resident = METRICS.gauge("kvwatch_kv_tenant_blocks_resident")
+    lost_bytes = METRICS.counter("kvwatch_kv_tenant_lost_bytes")
+    lost_blocks = METRICS.counter("kvwatch_kv_tenant_lost_blocks")
+    count = METRICS.gauge("kvwatch_kv_tenants")
     for p in s.processes:
         t = p.kv_tenants
         if t is None:

@@ -5,12 +5,66 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvwatch.daemon.model.snapshot import Snapshot, TransferView
 from kvwatch.daemon.model.transfers import link_utilization
 from kvwatch.exporters.labels import PROCESS_LABELS, label_values
+from kvwatch.exporters.metric_specs import COUNTER, GAUGE, HISTOGRAM, Metrics, MetricSpec
 from kvwatch.exporters.prom_aggregates import completions_by_lib, cumulative_buckets, xfer_ok_calls
+
+METRICS = Metrics(
+    (
+        MetricSpec(
+            "kvwatch_transfer_bytes",
+            COUNTER,
+            "bytes moved by KV transfer calls (nixl: completed transfers; ucx, nccl: submitted)",
+            (*PROCESS_LABELS, "lib", "op"),
+        ),
+        MetricSpec(
+            "kvwatch_transfer_calls",
+            COUNTER,
+            "transfer calls (nixl: posts) by result",
+            (*PROCESS_LABELS, "lib", "op", "result"),
+        ),
+        MetricSpec("kvwatch_transfer_completed", COUNTER, "NIXL transfers completed", (*PROCESS_LABELS, "lib")),
+        MetricSpec(
+            "kvwatch_transfer_duration_seconds",
+            HISTOGRAM,
+            "per-transfer completion time (post to done)",
+            (*PROCESS_LABELS, "lib"),
+        ),
+        MetricSpec(
+            "kvwatch_transfer_effective_bandwidth_bytes",
+            GAUGE,
+            "bytes over the summed per-transfer completion times, last 5 s",
+            (*PROCESS_LABELS, "lib"),
+        ),
+        MetricSpec(
+            "kvwatch_transfer_link_utilization_ratio",
+            GAUGE,
+            "effective bandwidth over the configured link bandwidth",
+            (*PROCESS_LABELS, "lib"),
+        ),
+        MetricSpec(
+            "kvwatch_rdma_registered_bytes",
+            GAUGE,
+            "memory registered for RDMA (ibv_reg_mr*) minus deregistered",
+            PROCESS_LABELS,
+        ),
+        MetricSpec(
+            "kvwatch_rdma_registrations", COUNTER, "RDMA memory registrations by result", (*PROCESS_LABELS, "result")
+        ),
+        MetricSpec("kvwatch_transfer_probes_attached", GAUGE, "transfer API symbols probed", PROCESS_LABELS),
+        MetricSpec(
+            "kvwatch_transfer_link_bandwidth_bytes",
+            GAUGE,
+            "configured KV transfer link bandwidth (bytes/s, 0: unknown)",
+            (),
+        ),
+        MetricSpec("kvwatch_transfer_pending", GAUGE, "NIXL transfers posted and not completed yet", ()),
+    )
+)
 
 
 def transfer_families(s: Snapshot) -> Iterator[Metric]:
@@ -19,54 +73,25 @@ def transfer_families(s: Snapshot) -> Iterator[Metric]:
         if p.transfers is not None:
             fams.add(label_values(p.labels, PROCESS_LABELS), p.transfers, s.link_bytes_per_second)
     yield from fams.families()
-    link = GaugeMetricFamily(
-        "kvwatch_transfer_link_bandwidth_bytes", "configured KV transfer link bandwidth (bytes/s, 0: unknown)"
-    )
+    link = METRICS.gauge("kvwatch_transfer_link_bandwidth_bytes")
     link.add_metric([], s.link_bytes_per_second)
     yield link
-    pending = GaugeMetricFamily("kvwatch_transfer_pending", "NIXL transfers posted and not completed yet")
+    pending = METRICS.gauge("kvwatch_transfer_pending")
     pending.add_metric([], s.transfers_pending)
     yield pending
 
 
 class _TransferFamilies:
     def __init__(self) -> None:
-        labels = list(PROCESS_LABELS)
-        self.nbytes = CounterMetricFamily(
-            "kvwatch_transfer_bytes",
-            "bytes moved by KV transfer calls (nixl: completed transfers; ucx, nccl: submitted)",
-            labels=[*labels, "lib", "op"],
-        )
-        self.calls = CounterMetricFamily(
-            "kvwatch_transfer_calls", "transfer calls (nixl: posts) by result", labels=[*labels, "lib", "op", "result"]
-        )
-        self.completed = CounterMetricFamily(
-            "kvwatch_transfer_completed", "NIXL transfers completed", labels=[*labels, "lib"]
-        )
-        self.duration = HistogramMetricFamily(
-            "kvwatch_transfer_duration_seconds", "per-transfer completion time (post to done)", labels=[*labels, "lib"]
-        )
-        self.bandwidth = GaugeMetricFamily(
-            "kvwatch_transfer_effective_bandwidth_bytes",
-            "bytes over the summed per-transfer completion times, last 5 s",
-            labels=[*labels, "lib"],
-        )
-        self.utilization = GaugeMetricFamily(
-            "kvwatch_transfer_link_utilization_ratio",
-            "effective bandwidth over the configured link bandwidth",
-            labels=[*labels, "lib"],
-        )
-        self.registered = GaugeMetricFamily(
-            "kvwatch_rdma_registered_bytes",
-            "memory registered for RDMA (ibv_reg_mr*) minus deregistered",
-            labels=labels,
-        )
-        self.registrations = CounterMetricFamily(
-            "kvwatch_rdma_registrations", "RDMA memory registrations by result", labels=[*labels, "result"]
-        )
-        self.attached = GaugeMetricFamily(
-            "kvwatch_transfer_probes_attached", "transfer API symbols probed", labels=labels
-        )
+        self.nbytes = METRICS.counter("kvwatch_transfer_bytes")
+        self.calls = METRICS.counter("kvwatch_transfer_calls")
+        self.completed = METRICS.counter("kvwatch_transfer_completed")
+        self.duration = METRICS.histogram("kvwatch_transfer_duration_seconds")
+        self.bandwidth = METRICS.gauge("kvwatch_transfer_effective_bandwidth_bytes")
+        self.utilization = METRICS.gauge("kvwatch_transfer_link_utilization_ratio")
+        self.registered = METRICS.gauge("kvwatch_rdma_registered_bytes")
+        self.registrations = METRICS.counter("kvwatch_rdma_registrations")
+        self.attached = METRICS.gauge("kvwatch_transfer_probes_attached")
 
     def add(self, v: list[str], x: TransferView, link_bytes_per_second: float) -> None:
         self.attached.add_metric(v, x.symbols_attached)
