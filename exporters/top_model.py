@@ -169,13 +169,9 @@ def build_frame(snap: Snapshot, host: str | None = None) -> TopFrame:
         for p in snap.probes
         if p.state in ("failed", "missing") and (p.required or p.family == "memory")
     )
-    # silent: what KVWatchProbeDown calls silent (a hook that fires constantly on any live node);
-    # quiet hooks (reclaim, OOM) legitimately stay at zero
-    silent = tuple(
-        a.labels.get("probe", a.subject_key)
-        for a in snap.alerts
-        if a.alert == "KVWatchProbeDown" and a.cause == "silent"
-    )
+    # silent: an alert about a probe (its spec's label) with cause silent, KVWatchProbeDown's word for
+    # a hook that fires constantly on any live node; quiet hooks (reclaim, OOM) legitimately stay at zero
+    silent = tuple(a.labels["probe"] for a in snap.alerts if "probe" in a.labels and a.cause == "silent")
     lost = {k: int(v) for k, v in snap.lost.items() if v}
     header = TopHeader(
         host=host or socket.gethostname(),
@@ -217,10 +213,10 @@ def build_frame(snap: Snapshot, host: str | None = None) -> TopFrame:
 
 
 def _tenants(snap: Snapshot) -> tuple[TopTenant, ...]:
-    aggressors = {
-        (a.labels.get("pid", ""), a.labels.get("tenant", "")): a.labels.get("aggressor", "")
+    aggressors = {  # an alert naming a victim tenant and its aggressor (KVTenantThrash's labels)
+        (a.labels.get("pid", ""), a.labels.get("tenant", "")): a.labels["aggressor"]
         for a in snap.alerts
-        if a.alert == "KVTenantThrash"
+        if "aggressor" in a.labels
     }
     out = []
     for p in snap.processes:
