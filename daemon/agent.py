@@ -27,10 +27,10 @@ from kvwatch.daemon.engines.ledger import LossLedger
 from kvwatch.daemon.engines.losses import account_losses, account_oom
 from kvwatch.daemon.engines.taps import EngineTaps
 from kvwatch.daemon.families.cost import SelfCost, account_self_cost, calibrate_in_background
-from kvwatch.daemon.families.cuda import CudaFamily, CudaTracker
+from kvwatch.daemon.families.cuda import CudaFamily, CudaProcesses
 from kvwatch.daemon.families.gpu import GpuMemory
 from kvwatch.daemon.families.memory import MemoryFamily
-from kvwatch.daemon.families.transfer import TransferFamily, TransferTracker
+from kvwatch.daemon.families.transfer import TransferFamily, TransferProcesses
 from kvwatch.daemon.host.allocator import Allocator
 from kvwatch.daemon.host.procfs import ProcFS
 from kvwatch.daemon.host.psi import PressureReader
@@ -151,12 +151,12 @@ class Agent:
         return (self.cuda_family, self.transfer_family)
 
     @property
-    def cuda_tracker(self) -> CudaTracker | None:
-        return self.cuda_family.tracker
+    def cuda_tracker(self) -> CudaProcesses | None:
+        return self.cuda_family.processes
 
     @property
-    def transfer_tracker(self) -> TransferTracker | None:
-        return self.transfer_family.tracker
+    def transfer_tracker(self) -> TransferProcesses | None:
+        return self.transfer_family.processes
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -368,9 +368,9 @@ class Agent:
     def _build_snapshot(self, now: float, loop_seconds: float) -> Snapshot:
         tracked = self.tracker.tracked()
         engines = self.engines
-        families = [f for f in self.families if f.tracker is not None]
-        cuda = self.cuda_family.tracker
-        transfers = self.transfer_family.tracker
+        families = [f for f in self.families if f.processes is not None]
+        cuda = self.cuda_family.processes
+        transfers = self.transfer_family.processes
 
         def shed(pid: int) -> dict[str, bool]:
             return {f.name: bool(f.is_shed(pid)) for f in families}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvwatch.daemon.families.transfer import TransferTracker
+from kvwatch.daemon.families.transfer import TransferProcesses
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.snapshot import Snapshot
 from kvwatch.probes.records import TransferDone
@@ -22,8 +22,8 @@ class _Subscriber:
 
 
 class SnapshotBus:
-    def __init__(self, transfers: Callable[[], TransferTracker | None], errors: ErrorBook) -> None:
-        self._transfers = transfers  # the transfer family's tracker, once (and if) its probes loaded
+    def __init__(self, transfers: Callable[[], TransferProcesses | None], errors: ErrorBook) -> None:
+        self._transfers = transfers  # the transfer family's processes, once (and if) its probes loaded
         self._errors = errors
         self._subscribers: list[_Subscriber] = []
 

@@ -2,7 +2,7 @@
 names, in a ``Metrics`` table at the top of the collector module that fills it
 (``exporters/prom_*.py``, ``http_conns.py``). The collector builds the family from its
 declaration by name and only adds samples; docs/metrics.md and the dashboard are checked against
-the declarations (``tests/unit/test_metric_specs.py``, ``test_exporters.py``, ``test_deploy.py``).
+the declarations (``tests/unit/test_exporters.py``, ``test_deploy.py``).
 """
 
 from __future__ import annotations

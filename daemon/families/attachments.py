@@ -26,7 +26,11 @@ class Attached:
     next_rescan: float
 
 
-class FamilyTracker:
+class FamilyProcesses:
+    """A uprobe family's processes: those it is attached to (attached on discovery, rescanned for
+    libraries loaded later, detached on exit) and what each counted. The watched set itself is the
+    ``ProcessTracker``'s (``daemon/tracker.py``)."""
+
     def __init__(
         self,
         probes: PerProcessUprobes[Any],

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import structlog
 
 from kvwatch.daemon.config import SelfCostConfig
-from kvwatch.daemon.families.attachments import FamilyTracker
+from kvwatch.daemon.families.attachments import FamilyProcesses
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
 from kvwatch.daemon.model.snapshot import FamilyCost, ProgramRuns, SelfCostView
 from kvwatch.daemon.tracker import Tracked
@@ -272,7 +272,7 @@ class _Family(Protocol):
     name: str
 
     @property
-    def tracker(self) -> FamilyTracker | None: ...
+    def processes(self) -> FamilyProcesses | None: ...
 
     @property
     def probes(self) -> PerProcessUprobes[Any] | None: ...
@@ -289,7 +289,7 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
 ) -> None:
     """One tick of the meter: the programs' run statistics, each watched process's probed calls
     and CPU time, and the sheds the breaker decided, handed to the families' attachers."""
-    fams = {f.name: f for f in families if f.tracker is not None and f.probes is not None}
+    fams = {f.name: f for f in families if f.processes is not None and f.probes is not None}
     runs: dict[str, dict[str, tuple[int, int]]] = {}
     if stats_on:
         runs = {n: f.probes.program.run_stats() for n, f in fams.items() if f.probes is not None}
@@ -305,13 +305,13 @@ def account_self_cost(  # noqa: PLR0917 - one call site, the agent's tick
             cpu = procfs.stat(t.pid).cpu_ticks / CLK_TCK
         except ProcError:
             continue
-        shed = {n: f.tracker.shedding(t.pid) for n, f in fams.items() if f.tracker is not None}
-        per_api = {n: f.tracker.api_calls(t.pid) for n, f in fams.items() if f.tracker is not None}
+        shed = {n: f.processes.shedding(t.pid) for n, f in fams.items() if f.processes is not None}
+        per_api = {n: f.processes.api_calls(t.pid) for n, f in fams.items() if f.processes is not None}
         samples.append((t, Sample(t.key, t.pid, cpu, calls, shed, per_api)))
     for pid, name, apis, backoff in meter.update((s for _, s in samples), now):
-        tracker = fams[name].tracker
-        if tracker is not None:
-            tracker.request_shed(pid, backoff, apis)
+        procs = fams[name].processes
+        if procs is not None:
+            procs.request_shed(pid, backoff, apis)
     for t, s in samples:
         ratio = meter.ratio(s.key)
         if ratio is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.families.attachments import Attached, FamilyTracker
+from kvwatch.daemon.families.attachments import Attached, FamilyProcesses
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcessIdentity
 from kvwatch.daemon.logs import ErrorBook
@@ -71,7 +71,7 @@ class CudaProcessState:
     ucx: bool
 
 
-class CudaTracker(FamilyTracker):
+class CudaProcesses(FamilyProcesses):
     probes: CudaProbes
 
     def __init__(
@@ -154,7 +154,7 @@ class CudaTracker(FamilyTracker):
         )
 
 
-CudaFamily = UprobeFamily[CudaProbes, CudaTracker]
+CudaFamily = UprobeFamily[CudaProbes, CudaProcesses]
 
 
 def cuda_family(
@@ -168,7 +168,7 @@ def cuda_family(
     return UprobeFamily(
         "cuda",
         probes,
-        lambda p: CudaTracker(p, errors, clock=clock, rescan_seconds=config.probes.cuda_rescan_seconds),
+        lambda p: CudaProcesses(p, errors, clock=clock, rescan_seconds=config.probes.cuda_rescan_seconds),
         errors,
         enabled=config.probes.cuda,
         more_observations=more_observations,

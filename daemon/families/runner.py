@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-from kvwatch.daemon.families.attachments import FamilyTracker
+from kvwatch.daemon.families.attachments import FamilyProcesses
 from kvwatch.daemon.logs import ErrorBook
 from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.model.uprobes import UprobeState
@@ -26,7 +26,7 @@ from kvwatch.probes.records import HookState
 from kvwatch.probes.uprobes import PerProcessUprobes
 
 P = TypeVar("P", bound=PerProcessUprobes[Any])
-T = TypeVar("T", bound=FamilyTracker)
+T = TypeVar("T", bound=FamilyProcesses)
 
 
 class UprobeFamily(Generic[P, T]):
@@ -34,7 +34,7 @@ class UprobeFamily(Generic[P, T]):
         self,
         name: str,
         probes: P | None,
-        make_tracker: Callable[[P], T],
+        make_processes: Callable[[P], T],
         errors: ErrorBook,
         *,
         enabled: bool,
@@ -45,9 +45,9 @@ class UprobeFamily(Generic[P, T]):
         self.name = name
         self.probes = probes
         self.probe_apis = tuple(type(probes).apis) if probes is not None else ()
-        self.make_tracker = make_tracker
+        self.make_processes = make_processes
         self.enabled = enabled
-        self.tracker: T | None = None
+        self.processes: T | None = None
         self.failure = ""
         self._wanted: list[Tracked] | None = None
         self._wake = threading.Event()
@@ -67,7 +67,7 @@ class UprobeFamily(Generic[P, T]):
             self.failure = str(err)
             self.probes = None
             return
-        self.tracker = self.make_tracker(self.probes)
+        self.processes = self.make_processes(self.probes)
         self._attacher = threading.Thread(target=self._run, name=f"kvwatch-attach-{self.name}", daemon=True)
         self._attacher.start()
 
@@ -75,18 +75,18 @@ class UprobeFamily(Generic[P, T]):
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()
-            wanted, tracker = self._wanted, self.tracker
-            if wanted is None or tracker is None or self._stop.is_set():
+            wanted, procs = self._wanted, self.processes
+            if wanted is None or procs is None or self._stop.is_set():
                 continue
             try:
-                tracker.sync(wanted)
+                procs.sync(wanted)
             except Exception as err:  # the attacher must outlive any one process
                 self._errors.record(f"attach_loop_{self.name}", f"{self.name} attacher failed", err)
             self.syncs += 1
 
     def active(self) -> bool:
         """Some process has this family's probes attached: its ring buffer can get events."""
-        return self.tracker is not None and bool(self.tracker.attached)
+        return self.processes is not None and bool(self.processes.attached)
 
     def consume(self) -> None:
         if self.probes is None:
@@ -97,39 +97,39 @@ class UprobeFamily(Generic[P, T]):
             self._errors.record(f"ring_poll_{self.name}", "ring buffer poll failed", err)
 
     def tick(self, tracked: list[Tracked]) -> None:
-        if self.tracker is None:
+        if self.processes is None:
             return
         if self._attacher is not None:
             self._wanted = list(tracked)
             self._wake.set()
         else:
-            self.tracker.sync(tracked)
-        self.tracker.ingest()
+            self.processes.sync(tracked)
+        self.processes.ingest()
 
     def sample(self, tracked: Iterable[Tracked], now: float) -> None:
-        if self.tracker is None:
+        if self.processes is None:
             return
-        tracker = self.tracker
+        procs = self.processes
         for t in tracked:
-            if t.pid not in tracker.attached:
+            if t.pid not in procs.attached:
                 continue
-            tracker.observe(t, now)
+            procs.observe(t, now)
             if self.more_observations is not None:
                 self.more_observations(t)
-            calls = tracker.calls(t.pid)
+            calls = procs.calls(t.pid)
             t.uprobes[self.name] = UprobeState(
                 calls=calls if calls is not None else 0.0,
-                shed=tracker.is_shed(t.pid),
-                symbols=tracker.symbols_attached(t.pid),
+                shed=procs.is_shed(t.pid),
+                symbols=procs.symbols_attached(t.pid),
             )
 
     # --- what the snapshot shows of the family (frozen data) ------------------------------------
     def probe_views(self) -> list[ProbeView]:
         """One per API the family probes: its state across the processes, its hits."""
-        tracker = self.tracker
-        if tracker is not None:
-            states = tracker.api_states()
-            any_attached = bool(tracker.probes.attachments)
+        procs = self.processes
+        if procs is not None:
+            states = procs.api_states()
+            any_attached = bool(procs.probes.attachments)
             return [
                 ProbeView(
                     api.label,
@@ -137,9 +137,9 @@ class UprobeFamily(Generic[P, T]):
                     f"{api.lib}:{api.symbol}",
                     states[api.label].value if any_attached else "idle",  # no process of this kind yet
                     False,
-                    tracker.hits.get(api.label, 0),
+                    procs.hits.get(api.label, 0),
                 )
-                for api in tracker.probes.apis
+                for api in procs.probes.apis
             ]
         if not self.enabled:
             return []
@@ -150,16 +150,16 @@ class UprobeFamily(Generic[P, T]):
 
     def lost(self) -> dict[str, int]:
         """Events the family dropped, by where (each key names its family)."""
-        if self.tracker is None:
+        if self.processes is None:
             return {}
-        return {k if k.startswith(f"{self.name}_") else f"{self.name}_{k}": v for k, v in self.tracker.lost.items()}
+        return {k if k.startswith(f"{self.name}_") else f"{self.name}_{k}": v for k, v in self.processes.lost.items()}
 
     def pending_releases(self) -> int:
-        return self.probes.program.pending_releases() if self.tracker is not None and self.probes else 0
+        return self.probes.program.pending_releases() if self.processes is not None and self.probes else 0
 
     def is_shed(self, pid: int) -> bool | None:
         """Whether the budget has the family detached from the process (None: no family)."""
-        return self.tracker.is_shed(pid) if self.tracker is not None else None
+        return self.processes.is_shed(pid) if self.processes is not None else None
 
     def not_ready(self) -> tuple[str, ...]:
         if self.enabled and self.probes is None:
@@ -172,7 +172,7 @@ class UprobeFamily(Generic[P, T]):
         if self._attacher is not None:
             self._attacher.join(timeout=60)  # an attach in progress finishes first
             self._attacher = None
-        if self.tracker is not None:
-            self.tracker.close()
+        if self.processes is not None:
+            self.processes.close()
         if self.probes is not None:
             self.probes.close()

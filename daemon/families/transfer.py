@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwatch.daemon.config import Config
-from kvwatch.daemon.families.attachments import FamilyTracker
+from kvwatch.daemon.families.attachments import FamilyProcesses
 from kvwatch.daemon.families.runner import UprobeFamily
 from kvwatch.daemon.host.procfs import ProcError, ProcFS
 from kvwatch.daemon.logs import ErrorBook
@@ -45,7 +45,7 @@ def link_bytes_per_second(bits_per_second: float, interface: str, procfs: ProcFS
     return 0.0
 
 
-class TransferTracker(FamilyTracker):
+class TransferProcesses(FamilyProcesses):
     probes: TransferProbes
 
     def __init__(
@@ -147,7 +147,7 @@ class TransferTracker(FamilyTracker):
         )
 
 
-TransferFamily = UprobeFamily[TransferProbes, TransferTracker]
+TransferFamily = UprobeFamily[TransferProbes, TransferProcesses]
 
 
 def transfer_family(
@@ -156,7 +156,7 @@ def transfer_family(
     return UprobeFamily(
         "transfer",
         probes,
-        lambda p: TransferTracker(
+        lambda p: TransferProcesses(
             p,
             errors,
             clock=clock,
