@@ -116,7 +116,7 @@ class Agent:
     def _declare_stages(self) -> tuple[Stage, ...]:
         """The tick before detection, in order: each stage reads what the ones before it left."""
         return (
-            Stage("events", self._drain, "memory ring", "page series, OOM events"),
+            Stage("events", self._drain, "memory ring", "process tree changes, OOM events"),
             Stage("oom_losses", self._account_oom, "OOM events, engine streams", "loss ledger"),
             Stage("hints", self._hints, "exec hints", "watched set"),
             Stage("discovery", self._discover, "processes (procfs)", "watched set, KV tiers' owners"),
@@ -126,10 +126,10 @@ class Agent:
                 for f in self.families
             ),
             Stage("engines", self._sync_engines, "watched set", "engine taps' plans"),
-            Stage("sample", self._ingest, "every source", "processes' and tiers' series"),
+            Stage("sample", self._ingest, "every source", "processes' and tiers' histories"),
             Stage("tier_owners", self._tier_owners, "KV tiers, watched set", "tier owners"),
-            Stage("losses", self._account_losses, "streams, tiers' page losses", "loss ledger, loss series"),
-            Stage("audit", self._audit, "engine series, ledger", "audit rows"),
+            Stage("losses", self._account_losses, "streams, tiers' page losses", "loss ledger, loss histories"),
+            Stage("audit", self._audit, "engine histories, ledger", "audit rows"),
             Stage("self_cost", self._self_cost, "uprobe counters, BPF run time", "self-cost meter"),
             Stage("trim", self._trim, "the allocator's clock", "freed heap returned"),
         )
@@ -279,7 +279,7 @@ class Agent:
 
     def _ingest(self, now: float) -> None:
         tracked = self.tracker.tracked()
-        for source in self.sources:  # NVML before the CUDA family, whose series carry its numbers
+        for source in self.sources:  # NVML before the CUDA family, whose observations take its numbers
             source.sample(tracked, now)
 
     def _account_losses(self, now: float) -> None:
@@ -385,7 +385,7 @@ class Agent:
                 block_bytes=self.losses.block_bytes,
                 losses={t.key: self.losses.rows(t.key) for t in tracked},
                 audit=self.audit.rows,
-                # folded by the taps' fold of the process, the one its KVTenantThrash series use
+                # folded by the taps' fold of the process, the one KVTenantThrash's tenant history uses
                 tenants=lambda k, ev: engines.tenants.view(k, ev, self.losses.tenant_rows(k)) if engines else None,
                 costs=lambda key, pid: self.self_cost.costs(key, shed(pid)),
                 gpu_used=self.gpu.used,

@@ -21,7 +21,7 @@ class Source(Protocol):
     def close(self) -> None: ...
 
     def sample(self, tracked: Sequence[Tracked], now: float) -> None:
-        """Its readings of this tick into each watched process's series."""
+        """Its readings of this tick into each watched process's histories."""
 
     def lost(self) -> Mapping[str, int]:
         """What it dropped so far, by where (each key names its source)."""

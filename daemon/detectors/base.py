@@ -2,9 +2,9 @@
 floor, hysteresis (the ``Finding`` a detector reports per subject: model/findings.py).
 
 Detectors are pure: their output is a function of their own previous state, the
-read-only view of per-subject series handed to them, their config and ``now``.
+read-only windows of per-subject histories handed to them, their config and ``now``.
 No kernel, no I/O, no wall clock — the same code runs in the daemon and in unit
-tests on synthetic series.
+tests on synthetic histories.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Given by hand in ``[[engines.endpoints]]`` (matched by PID or command-line pattern), or
 found from the engine's own command line (``cmdline.py``) and reached across network
 namespaces (``reach.py``). The component here keeps one plan per watched process, one
-owner per endpoint, and turns the streams' and scrapes' state into per-process series.
+owner per endpoint, and turns the streams' and scrapes' state into per-process typed observations.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class EngineTaps:
         self._planned: dict[str, _Planned] = {}
         self._stats: dict[StreamSpec, StreamStats] = {}
         self._scrapes: dict[ScrapeTarget, TargetState] = {}
-        # one tenant fold per tapped process: the detectors' series here and the snapshot's view
+        # one tenant fold per tapped process: the detectors' tenant history here and the snapshot's view
         # (``tenants.view``) read the same, so an alert names only tenants the exporters label
         self.tenants = TenantFolds(config.tenant_top_k)
         # per tapped process, this tick: every process of the engine has its copy probes attached

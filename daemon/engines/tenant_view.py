@@ -1,7 +1,7 @@
 """An engine process's tenants, folded once for everyone who reads them.
 
 One sticky ``TenantFold`` per tapped process, for as long as it runs (``TenantFolds``): the taps
-fold the GPU pool's per-tenant counts through it for the detectors' series (``pool``), and the
+fold the GPU pool's per-tenant counts through it for the detectors' tenant history (``pool``), and the
 snapshot folds the streams' per-tenant counts and the ledger's per-tenant losses through the same
 fold for the exporters (``view``). So every tenant an alert can name (KVTenantThrash's victim and
 aggressor) is a tenant the exported rows carry under its own label, and a tenant the rows count

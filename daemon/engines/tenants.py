@@ -17,7 +17,7 @@ never leaves this module, only names do. The node key is generated once and kept
 Cardinality: a stream interns at most MAX_TENANTS names (the rest count as ``other``); an engine
 process has one ``TenantFold``: its first ``tenant_top_k`` tenants by activity keep their own
 name for as long as it runs, and the rest are counted under ``other``, which only ever grows. The
-detectors' series and the exported rows are both folded by it (``tenant_view.py``).
+detectors' tenant history and the exported rows are both folded by it (``tenant_view.py``).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ class TenantFold:
     A tenant keeps its label from its first fold while the engine runs, and a tenant folded into
     ``other`` stays there: every series is monotonic, and the labels always sum to the engine's
     totals. Free labels go to the most active tenants (``activity``) at the fold that first sees
-    them. Whatever is folded by the same fold (the detectors' series, the exported rows) carries
+    them. Whatever is folded by the same fold (the detectors' tenant history, the exported rows) carries
     the same labels."""
 
     def __init__(self, top_k: int) -> None:

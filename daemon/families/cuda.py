@@ -1,5 +1,5 @@
 """CUDA probes for the watched processes: attach on discovery, rescan for libraries
-loaded later, detach on exit, and turn the counters into per-process series.
+loaded later, detach on exit, and turn the counters into per-process typed observations.
 
 Every failure here is per process: it is counted and logged once, and the
 other processes (and the other probe families) keep working.

@@ -1,5 +1,5 @@
 """The kernel-memory family in the loop: its program's lifecycle, the events it sends
-(process lifecycle, OOM kills), the per-process and per-tier series its counters feed,
+(process lifecycle, OOM kills), the per-process and per-tier histories its counters feed,
 the KV tiers whose files it watches, and who reclaimed them (``reclaimers.py``).
 
 Unlike the uprobe families it has no attacher thread: its probes are tracepoints,
@@ -219,7 +219,7 @@ class MemoryFamily:
             if t.proc.identity in tier.owners or (t.pid, tier.tier_id) in readers or t.pid in config_pids
         ]
 
-    # --- series ---------------------------------------------------------------------------
+    # --- observations ---------------------------------------------------------------------
     def sample(self, tracked: Sequence[Tracked], now: float) -> None:
         """The kernel's counters, read once: each watched process's totals, each KV tier's pages."""
         if self.probes is None:

@@ -1,5 +1,5 @@
 """A uprobe probe family as the agent runs it: load once, drain its ring buffer between
-ticks, ingest every tick, feed per-process series, close. A family that fails to load
+ticks, ingest every tick, feed per-process observations, close. A family that fails to load
 is reported (not ready, with the reason) and the rest of kvwatch goes on.
 
 Attaching and detaching run in the family's own thread, never in the probe loop:

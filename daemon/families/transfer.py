@@ -1,5 +1,5 @@
 """Transfer probes for the watched processes, and their counters: each process's NIXL transfers
-as typed observations (``observe``), the bytes every library moved as a series.
+as typed observations (``observe``), the bytes every library moved among them.
 
 A new peer's first seconds are left out of the transfers the detector reads: when a
 peer (a UCX endpoint) has been seen for ``peer_grace_seconds``, its counters at
