@@ -78,32 +78,23 @@ class Parts:
     self_cost: SelfCostView | None
 
 
-def _per_second(seconds: float) -> float:
-    return 1.0 / seconds if seconds > 0 else 0.0
-
-
 def process_rates(t: Tracked, losses: Mapping[tuple[str, str], LossTotal]) -> ProcessRates:
     """The process's rates over the rate window, from its histories; its loss rates per row of
     the ledger (``losses``) that has bytes."""
-    mem, mem_dt = t.memory.delta(MEMORY, RATE_WINDOW)
-    cuda, cuda_dt = t.allocator.delta(CUDA, RATE_WINDOW)
-    xfer, xfer_dt = t.transfers.delta(NIXL, RATE_WINDOW)
-    lost: dict[tuple[str, str], float] = {}
-    for tier, cause in losses:
-        if loss_key(tier, cause) in t.losses:
-            d, dt = t.losses.delta(loss_key(tier, cause), RATE_WINDOW)
-            lost[(tier, cause)] = d.bytes * _per_second(dt)
+    mem = t.memory.rate(MEMORY, RATE_WINDOW)
+    cuda = t.allocator.rate(CUDA, RATE_WINDOW)
+    keys = {(tier, cause): loss_key(tier, cause) for tier, cause in losses}
+    lost = {row: t.losses.rate(key, RATE_WINDOW).bytes for row, key in keys.items() if key in t.losses}
     removed, regretted = kv_rates(t.kv)
-    m, c = _per_second(mem_dt), _per_second(cuda_dt)
     return ProcessRates(
-        page_free_pages=mem.page_free_pages * m,
-        direct_reclaim_seconds=mem.direct_reclaim_seconds * m,
-        memcg_reclaim_seconds=mem.memcg_reclaim_seconds * m,
-        cuda_alloc_calls=cuda.alloc_calls * c,
-        cuda_free_calls=cuda.free_calls * c,
-        cuda_alloc_bytes=cuda.alloc_bytes * c,
-        cuda_freed_bytes=cuda.freed_bytes * c,
-        xfer_bytes=xfer.moved_bytes * _per_second(xfer_dt),
+        page_free_pages=mem.page_free_pages,
+        direct_reclaim_seconds=mem.direct_reclaim_seconds,
+        memcg_reclaim_seconds=mem.memcg_reclaim_seconds,
+        cuda_alloc_calls=cuda.alloc_calls,
+        cuda_free_calls=cuda.free_calls,
+        cuda_alloc_bytes=cuda.alloc_bytes,
+        cuda_freed_bytes=cuda.freed_bytes,
+        xfer_bytes=t.transfers.rate(NIXL, RATE_WINDOW).moved_bytes,
         kv_removed_blocks=removed,
         kv_regretted_blocks=regretted,
         kv_lost_bytes=lost,
@@ -125,9 +116,8 @@ def kv_rates(kv: History[MediumCounts]) -> tuple[dict[str, float], dict[str, flo
     """Per medium, blocks removed and regretted a second over the rate window."""
     removed, regretted = {}, {}
     for medium in kv:
-        d, dt = kv.delta(medium, RATE_WINDOW)
-        removed[medium] = d.removed / dt if dt > 0 else 0.0
-        regretted[medium] = d.regretted / dt if dt > 0 else 0.0
+        r = kv.rate(medium, RATE_WINDOW)
+        removed[medium], regretted[medium] = r.removed, r.regretted
     return removed, regretted
 
 

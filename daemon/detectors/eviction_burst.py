@@ -65,6 +65,7 @@ from kvwatch.daemon.model.alerts import AlertSpec
 from kvwatch.daemon.model.cuda import CUDA, CopyCounts
 from kvwatch.daemon.model.engine_scrape import ENGINE, ScrapeCounts, exports
 from kvwatch.daemon.model.findings import Finding, Subject
+from kvwatch.daemon.model.history import History, Obs
 from kvwatch.daemon.model.kv_counts import MediumCounts
 from kvwatch.daemon.model.windows import ProcessWindow
 
@@ -99,28 +100,26 @@ MEDIUM_ORDER = {"GPU": 0, "CPU": 1}  # the engine's own pool first, then its fir
 Count = Callable[[ProcessWindow, float], tuple[float, float]]  # a counter's increase over a window, and its seconds
 
 
-def _kv(get: Callable[[MediumCounts], float], medium: str) -> Count:
+def _count(history: Callable[[ProcessWindow], History[Obs]], key: str, get: Callable[[Obs], float]) -> Count:
+    """One field of one key of one of the process's histories, as a ``Count``."""
+
     def count(p: ProcessWindow, window: float) -> tuple[float, float]:
-        d, seconds = p.kv.delta(medium, window)
+        d, seconds = history(p).delta(key, window)
         return get(d), seconds
 
     return count
+
+
+def _kv(get: Callable[[MediumCounts], float], medium: str) -> Count:
+    return _count(lambda p: p.kv, medium, get)
 
 
 def _copies(get: Callable[[CopyCounts], float]) -> Count:
-    def count(p: ProcessWindow, window: float) -> tuple[float, float]:
-        d, seconds = p.copies.delta(CUDA, window)
-        return get(d), seconds
-
-    return count
+    return _count(lambda p: p.copies, CUDA, get)
 
 
 def _engine(get: Callable[[ScrapeCounts], float]) -> Count:
-    def count(p: ProcessWindow, window: float) -> tuple[float, float]:
-        d, seconds = p.engine.delta(ENGINE, window)
-        return get(d), seconds
-
-    return count
+    return _count(lambda p: p.engine, ENGINE, get)
 
 
 def _rate(count: Count, p: ProcessWindow, window: float) -> float:

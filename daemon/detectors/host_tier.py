@@ -46,8 +46,8 @@ MIB = 1024 * 1024
 
 def _stall_rate(o: ProcessWindow, window: float) -> float:
     """Seconds a second the process stalled in reclaim, global and against its memcg's limit."""
-    d, seconds = o.memory.delta(MEMORY, window)
-    return (d.direct_reclaim_seconds + d.memcg_reclaim_seconds) / seconds if seconds > 0 else 0.0
+    r = o.memory.rate(MEMORY, window)
+    return r.direct_reclaim_seconds + r.memcg_reclaim_seconds
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from kvwatch.daemon.model.engines import (
     EngineSample,
     EngineView,
     GroupTotals,
+    MediumTotals,
     ScrapeTarget,
     StreamSpec,
     StreamStats,
@@ -39,7 +40,7 @@ from kvwatch.daemon.model.engines import (
     groups_of,
     media_of,
 )
-from kvwatch.daemon.model.kv_counts import STREAM, KVState, MediumCounts, StreamEvents
+from kvwatch.daemon.model.kv_counts import LOGICAL_COUNTS, STREAM, KVState, MediumCounts, StreamEvents
 from kvwatch.daemon.model.snapshot import ProbeView
 from kvwatch.daemon.model.uprobes import UprobeState
 from kvwatch.daemon.tracker import Tracked
@@ -69,16 +70,10 @@ def stream_observation(streams: Sequence[StreamStats]) -> tuple[dict[str, Medium
     media: dict[str, MediumCounts] = {}
     logical = media_of(streams)  # each medium's reference group
     for medium in sorted(set(logical) | set(physical)):
-        m = logical.get(medium)
+        m = logical.get(medium, MediumTotals())
         w = window_group.get(medium)
         media[medium] = MediumCounts(
-            stored=float(m.stored) if m else 0.0,
-            removed=float(m.removed) if m else 0.0,
-            removed_young=float(m.removed_young) if m else 0.0,
-            regretted=float(m.regretted) if m else 0.0,
-            restored=float(m.restored) if m else 0.0,
-            announced=float(m.announced) if m else 0.0,
-            announced_tokens=float(m.announced_tokens) if m else 0.0,
+            **{name: float(getattr(m, name)) for name in LOGICAL_COUNTS},
             physical_stored=physical.get(medium, 0.0),
             window_regretted=float(w.totals.regretted) if w else 0.0,
         )

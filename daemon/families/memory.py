@@ -257,7 +257,9 @@ class MemoryFamily:
                     added_pages=float(c2.added_pages),
                 )
             self._tier_pages(tier_id).add(now, {PAGES: counts})
-            reclaimed = self.tier_reclaimed.setdefault(tier_id, History(Reclaimed, TIER_HISTORY_SECONDS))
+            reclaimed = self.tier_reclaimed.get(tier_id)
+            if reclaimed is None:
+                reclaimed = self.tier_reclaimed[tier_id] = History(Reclaimed, TIER_HISTORY_SECONDS)
             reclaimed.drop(row.key for t, row in folded if t == tier_id)
             if self.reclaimers is not None:
                 rows = self.reclaimers.book.rows(tier_id).items()
@@ -328,8 +330,7 @@ class MemoryFamily:
         views = []
         for tier in self.tiers.tiers.values():
             pages = self.tier_pages.get(tier.tier_id) or History(TierCounters)
-            d, dt = pages.delta(PAGES, RATE_WINDOW)
-            per_second = 1.0 / dt if dt > 0 else 0.0
+            r = pages.rate(PAGES, RATE_WINDOW)
             views.append(
                 TierView(
                     key=f"tier:{tier.tier_id}",
@@ -340,9 +341,7 @@ class MemoryFamily:
                     owners=tuple(sorted(t.pid for t in owners.get(tier.tier_id, ()))),
                     files=len(tier.files),
                     totals=pages.last(PAGES),
-                    rates=TierRates(
-                        d.reclaim_bytes * per_second, d.policy_bytes * per_second, d.refault_pages * per_second
-                    ),
+                    rates=TierRates(r.reclaim_bytes, r.policy_bytes, r.refault_pages),
                     reclaimers=self._reclaimer_views(tier.tier_id),
                 )
             )
@@ -354,10 +353,6 @@ class MemoryFamily:
             return ()
         reclaimed = self.tier_reclaimed.get(tier_id) or History(Reclaimed)
 
-        def rate(key: str) -> float:
-            d, dt = reclaimed.delta(key, RATE_WINDOW)
-            return d.bytes / dt if dt > 0 else 0.0
-
         rows = [
             TierReclaimer(
                 reclaimer=row.reclaimer,
@@ -366,7 +361,7 @@ class MemoryFamily:
                 pod_uid=row.pod_uid,
                 container=row.container,
                 bytes=reclaimed.last(row.key).bytes,
-                bytes_per_second=rate(row.key),
+                bytes_per_second=reclaimed.rate(row.key, RATE_WINDOW).bytes,
             )
             for row in self.reclaimers.book.rows(tier_id)
         ]

@@ -38,25 +38,9 @@ class ScrapeCounts:
 
 
 def scrape_counts(x: EngineSample) -> ScrapeCounts:
-    def v(value: float | None) -> float:
-        return 0.0 if value is None else float(value)
-
-    return ScrapeCounts(
-        prefix_queries=v(x.prefix_queries),
-        prefix_hits=v(x.prefix_hits),
-        preemptions=v(x.preemptions),
-        generation_tokens=v(x.generation_tokens),
-        evicted_tokens=v(x.evicted_tokens),
-        idle_evict_samples=v(x.idle_evict_samples),
-        idle_evict_young=v(x.idle_evict_young),
-        lmcache_evicted_keys=v(x.lmcache_evicted_keys),
-        lmcache_hit_tokens=v(x.lmcache_hit_tokens),
-        lmcache_requested_tokens=v(x.lmcache_requested_tokens),
-        external_queries=v(x.external_queries),
-        external_hits=v(x.external_hits),
-        offload_store_bytes=v(x.offload_store_bytes),
-        offload_load_bytes=v(x.offload_load_bytes),
-    )
+    """The sample's counters (each field of ``ScrapeCounts`` is the sample's of that name), 0 where absent."""
+    values = {name: getattr(x, name) for name in ScrapeCounts.__slots__}
+    return ScrapeCounts(**{name: 0.0 if v is None else float(v) for name, v in values.items()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,14 @@ class History(Generic[Obs]):
         got = {n: s.delta(window) for n, s in zip(self._fields, series, strict=True)}
         return self._kind(**{n: inc for n, (inc, _) in got.items()}), got[self._fields[0]][1]
 
+    def rate(self, key: str, window: float) -> Obs:
+        """The key's increase a second over the trailing ``window``, every field (zeros while the
+        window spans no time)."""
+        got, seconds = self.delta(key, window)
+        if seconds <= 0:
+            return self._kind()
+        return self._kind(**{n: getattr(got, n) / seconds for n in self._fields})
+
     def at(self, key: str, t: float) -> Obs | None:
         """The key's counts at time ``t``, linear between its observations; None outside them."""
         series = self._series.get(key)

@@ -46,3 +46,5 @@ class KVState:
 
 
 NO_STREAM = KVState()
+# MediumCounts' fields that are the reference group's ``MediumTotals`` of the same name
+LOGICAL_COUNTS = ("stored", "removed", "removed_young", "regretted", "restored", "announced", "announced_tokens")
